@@ -1,0 +1,23 @@
+"""Build the Cython core. A failed compile is an error, never a fallback."""
+import sys
+
+from setuptools import Extension, setup
+
+try:
+    from Cython.Build import cythonize
+except ImportError:  # pragma: no cover - build-system.requires brings Cython
+    sys.exit(
+        "shmdist needs Cython >= 3.0 to build its core: pip install 'Cython>=3.0', "
+        "or install with pip so that pyproject.toml's build requirements are used."
+    )
+
+ext = Extension(
+    "shmdist._core",
+    sources=["shmdist/_core.pyx"],
+    include_dirs=["shmdist"],
+    extra_compile_args=["-O3", "-fno-strict-aliasing"],
+)
+
+setup(
+    ext_modules=cythonize([ext], language_level=3, compiler_directives={"embedsignature": True}),
+)

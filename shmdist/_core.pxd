@@ -1,0 +1,17 @@
+# C declarations for the shared-memory core: atomics, futex, copies.
+# All of them are static inline helpers in _atomics.h and safe to call nogil.
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
+
+cdef extern from "_atomics.h" nogil:
+    uint64_t sd_load64(const uint64_t *p)
+    void sd_store64(uint64_t *p, uint64_t v)
+    uint32_t sd_load32(const uint32_t *p)
+    void sd_store32(uint32_t *p, uint32_t v)
+    uint32_t sd_add32(uint32_t *p, int v)
+    uint64_t sd_add64(uint64_t *p, uint64_t v)
+    void sd_fence()
+    void sd_relax()
+    int sd_futex_wait(uint32_t *addr, uint32_t val, long timeout_ns)
+    int sd_futex_wake(uint32_t *addr, int n)
+    int sd_yield()
+    long sd_cma_read(int pid, void *dst, const void *src, size_t n)

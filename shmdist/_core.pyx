@@ -1,0 +1,285 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The hot path of shmdist: ring buffers in shared memory, doorbells
+(futex wait/wake), copies and reductions, all without the GIL.
+
+Everything above this module is plain Python. Addresses are passed as
+integers (``size_t``); the Python layers keep the objects that own the
+memory alive for as long as an address is in use.
+"""
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
+from libc.string cimport memcpy, memset
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_ANY_CONTIGUOUS
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
+from shmdist._core cimport (sd_load64, sd_store64, sd_load32, sd_store32, sd_add32, sd_add64,
+                            sd_fence, sd_relax, sd_futex_wait, sd_futex_wake, sd_yield, sd_cma_read)
+
+# Layout of a per-process control block (CTL_BYTES each, in the job segment).
+cdef enum:
+    _PID = 0          # uint32: pid of the owner
+    _CLOSED = 4       # uint32: 1 once the owner left the group cleanly
+    _BELL = 64        # uint32: doorbell sequence, bumped by anyone with news for the owner
+    _SLEEPING = 128   # uint32: number of owner threads asleep on the doorbell
+    _HDR = 128        # bytes of one message header in a ring
+    NOGIL_COPY = 65536  # copies at least this big drop the GIL
+CTL_BYTES = 256
+HEADER_BYTES = _HDR
+RING_CTL_BYTES = 4096 # head and tail of a ring, each on its own cache line
+
+
+cdef inline uint32_t *_u32(size_t addr) noexcept nogil:
+    return <uint32_t *>addr
+
+
+def buffer_address(obj, bint writable=False):
+    """(address, nbytes) of a contiguous buffer-protocol object (a numpy array).
+
+    Raises BufferError when the object is not contiguous or, with
+    ``writable``, read-only.
+    """
+    cdef Py_buffer view
+    cdef int flags = PyBUF_ANY_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
+    PyObject_GetBuffer(obj, &view, flags)
+    try:
+        return <size_t>view.buf, <size_t>view.len
+    finally:
+        PyBuffer_Release(&view)
+
+
+# ---------------------------------------------------------------- doorbells
+
+def ctl_set_pid(size_t ctl, uint32_t pid):
+    sd_store32(_u32(ctl + _PID), pid)
+    sd_store32(_u32(ctl + _CLOSED), 0)
+
+
+def ctl_pid(size_t ctl):
+    return sd_load32(_u32(ctl + _PID))
+
+
+def ctl_close(size_t ctl):
+    """Mark the owner as gone cleanly and wake it (and anyone) once."""
+    sd_store32(_u32(ctl + _CLOSED), 1)
+
+
+def ctl_closed(size_t ctl):
+    return sd_load32(_u32(ctl + _CLOSED)) != 0
+
+
+cdef inline void _ring_bell(size_t ctl) noexcept nogil:
+    sd_add32(_u32(ctl + _BELL), 1)
+    if sd_load32(_u32(ctl + _SLEEPING)):
+        sd_futex_wake(_u32(ctl + _BELL), 0x7fffffff)
+
+
+def ring_bell(size_t ctl):
+    """Tell the owner of ``ctl`` that something changed; the futex wake
+    syscall is made only when the owner sleeps."""
+    _ring_bell(ctl)
+
+
+def bell_value(size_t ctl):
+    return sd_load32(_u32(ctl + _BELL))
+
+
+cdef int _wait_bell(uint32_t *bell, uint32_t *sleeping, uint32_t seen,
+                    long spin, long yields, long ns) noexcept nogil:
+    cdef long i
+    for i in range(spin):
+        if sd_load32(bell) != seen:
+            return 1
+        sd_relax()
+    for i in range(yields):
+        if sd_load32(bell) != seen:
+            return 1
+        sd_yield()
+    if ns > 0:
+        sd_add32(sleeping, 1)
+        if sd_load32(bell) == seen:
+            sd_futex_wait(bell, seen, ns)
+        sd_add32(sleeping, -1)
+    return sd_load32(bell) != seen
+
+
+def wait_bell(size_t ctl, uint32_t seen, long spin, long yields, double timeout):
+    """Wait until the doorbell of ``ctl`` differs from ``seen``.
+
+    Spins ``spin`` times (cpu pause), then yields the CPU ``yields`` times,
+    then sleeps on the futex for at most ``timeout`` seconds. Returns True
+    when the bell moved, False on timeout or signal (the caller loops and
+    so lets Python run signal handlers between slices).
+    """
+    cdef int r
+    cdef long ns = <long>(timeout * 1e9)
+    with nogil:
+        r = _wait_bell(_u32(ctl + _BELL), _u32(ctl + _SLEEPING), seen, spin, yields, ns)
+    return r != 0
+
+
+# ---------------------------------------------------------------- copies
+
+cdef inline void _copy(void *dst, const void *src, size_t n) noexcept:
+    if n >= NOGIL_COPY:
+        with nogil:
+            memcpy(dst, src, n)
+    else:
+        memcpy(dst, src, n)
+
+
+def copy(size_t dst, size_t src, size_t n):
+    """memcpy between two addresses, without the GIL for large copies."""
+    _copy(<void *>dst, <const void *>src, n)
+
+
+def cma_read(int pid, size_t dst, size_t src, size_t n):
+    """Copy n bytes from address ``src`` of process ``pid`` (one copy,
+    process_vm_readv). Returns bytes read, or -errno."""
+    cdef long r
+    with nogil:
+        r = sd_cma_read(pid, <void *>dst, <const void *>src, n)
+    return r
+
+
+# ---------------------------------------------------------------- rings
+
+cdef class Ring:
+    """One single-producer, single-consumer byte ring in shared memory.
+
+    A message is a record: a HEADER_BYTES header, the payload, and padding
+    to 64 bytes. The producer publishes ``head`` (bytes written, ever) and
+    the consumer ``tail`` (bytes consumed, ever), each on its own cache
+    line. Each side rings the other's doorbell after it moved its index.
+    One process uses a Ring either as producer or as consumer, never both.
+    """
+    cdef uint64_t *head
+    cdef uint64_t *tail
+    cdef uint8_t *data
+    cdef uint64_t size
+    cdef uint64_t mask
+    cdef size_t other_ctl
+    cdef uint64_t cached_head   # what the consumer last saw
+    cdef uint64_t cached_tail   # what the producer last saw
+
+    def __cinit__(self, size_t ctl_addr, size_t data_addr, uint64_t size, size_t other_ctl):
+        if size == 0 or (size & (size - 1)) != 0 or size < 4096:
+            raise ValueError(f"ring size must be a power of two >= 4096, got {size}")
+        self.head = <uint64_t *>ctl_addr
+        self.tail = <uint64_t *>(ctl_addr + 128)
+        self.data = <uint8_t *>data_addr
+        self.size = size
+        self.mask = size - 1
+        self.other_ctl = other_ctl
+        self.cached_head = sd_load64(self.head)
+        self.cached_tail = sd_load64(self.tail)
+
+    @property
+    def capacity(self):
+        return self.size
+
+    def used(self):
+        return sd_load64(self.head) - sd_load64(self.tail)
+
+    cdef inline void _put(self, uint64_t at, const uint8_t *src, size_t n) noexcept:
+        cdef uint64_t off = at & self.mask
+        cdef uint64_t first = self.size - off
+        if first >= n:
+            _copy(self.data + off, src, n)
+        else:
+            _copy(self.data + off, src, first)
+            _copy(self.data, src + first, n - first)
+
+    cdef inline void _get(self, uint64_t at, uint8_t *dst, size_t n) noexcept:
+        cdef uint64_t off = at & self.mask
+        cdef uint64_t first = self.size - off
+        if first >= n:
+            _copy(dst, self.data + off, n)
+        else:
+            _copy(dst, self.data + off, first)
+            _copy(dst + first, self.data, n - first)
+
+    def push(self, bytes header, size_t addr, size_t nbytes, size_t pos):
+        """Write what fits of one record, from record offset ``pos``.
+
+        The record is ``header`` (HEADER_BYTES), ``nbytes`` of payload at
+        ``addr``, then padding to 64 bytes. Returns the new offset; the
+        record is complete when it equals ``record_bytes(nbytes)``.
+        """
+        cdef uint64_t h = sd_load64(self.head)
+        cdef uint64_t total = _HDR + ((nbytes + 63) & ~(<uint64_t>63))
+        cdef uint64_t free = self.size - (h - self.cached_tail)
+        cdef uint64_t n, end, plen
+        if free < total - pos:
+            self.cached_tail = sd_load64(self.tail)
+            free = self.size - (h - self.cached_tail)
+        if free == 0:
+            return pos
+        end = pos + free
+        if end > total:
+            end = total
+        if pos < _HDR:
+            n = (_HDR if end > _HDR else end) - pos
+            self._put(h, <const uint8_t *>PyBytes_AS_STRING(header) + pos, n)
+            h += n
+            pos += n
+        if pos < end and pos < _HDR + nbytes:
+            plen = (end if end < _HDR + nbytes else _HDR + nbytes) - pos
+            self._put(h, <const uint8_t *>(addr + pos - _HDR), plen)
+            h += plen
+            pos += plen
+        if pos < end:   # padding: nothing to copy
+            h += end - pos
+            pos = end
+        sd_store64(self.head, h)
+        _ring_bell(self.other_ctl)
+        return pos
+
+    def peek(self):
+        """The next record's header, or None when it has not arrived."""
+        cdef uint64_t t = sd_load64(self.tail)
+        if self.cached_head - t < _HDR:
+            self.cached_head = sd_load64(self.head)
+            if self.cached_head - t < _HDR:
+                return None
+        out = PyBytes_FromStringAndSize(NULL, _HDR)
+        self._get(t, <uint8_t *>PyBytes_AS_STRING(out), _HDR)
+        return out
+
+    def pull(self, size_t addr, size_t nbytes, size_t pos):
+        """Consume what has arrived of the payload following a peeked header.
+
+        ``pos`` is the record offset reached so far (0 right after
+        peek). Copies into ``addr`` (which may be 0 to discard) and returns
+        the new offset; complete at ``record_bytes(nbytes)``.
+        """
+        cdef uint64_t t = sd_load64(self.tail)
+        cdef uint64_t total = _HDR + ((nbytes + 63) & ~(<uint64_t>63))
+        cdef uint64_t avail = self.cached_head - t
+        cdef uint64_t end, plen, n
+        if avail < total - pos:
+            self.cached_head = sd_load64(self.head)
+            avail = self.cached_head - t
+        if avail == 0 and pos < total:
+            return pos
+        end = pos + avail
+        if end > total:
+            end = total
+        if pos < _HDR:   # the header itself, already read by peek
+            n = (_HDR if end > _HDR else end) - pos
+            t += n
+            pos += n
+        if pos < end and pos < _HDR + nbytes:
+            plen = (end if end < _HDR + nbytes else _HDR + nbytes) - pos
+            if addr:
+                self._get(t, <uint8_t *>(addr + pos - _HDR), plen)
+            t += plen
+            pos += plen
+        if pos < end:
+            t += end - pos
+            pos = end
+        sd_store64(self.tail, t)
+        _ring_bell(self.other_ctl)
+        return pos
+
+
+def record_bytes(size_t nbytes):
+    """Bytes one message of ``nbytes`` payload occupies in a ring."""
+    return _HDR + ((nbytes + 63) & ~63)

@@ -1,0 +1,336 @@
+"""Point-to-point matching and waiting, over any channel that moves records.
+
+A channel (a shared-memory ``_core.Ring`` today) carries records of a
+header and a payload from one rank to one other rank, in order. The engine
+keeps, per process:
+
+- a FIFO of sends per destination (one record streams at a time),
+- the receives posted and not yet matched, in the order they were posted,
+- per source, the record now streaming in, and
+- the "unexpected" records that arrived before a receive asked for them.
+
+A record is matched to the first posted receive with the same
+(source or any, group, tag); the ring is FIFO, so order per (pair, group,
+tag) holds. There is no progress thread: every call into the engine and
+every wait moves all pending operations forward, so two ranks that both
+send before they receive do not deadlock.
+"""
+from __future__ import annotations
+
+import os
+import select
+import struct
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from shmdist import _core
+from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
+from shmdist.tensors import MAX_DIMS, describe
+
+MAGIC = 0x444D4853  # "SHMD"
+VERSION = 1
+HDR = struct.Struct("<IHHqqiiQ16s8q8x")
+assert HDR.size == _core.HEADER_BYTES
+LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
+
+
+def make_header(tag: int, gid: int, src: int, buf) -> bytes:
+    shape = tuple(buf.shape)
+    dims = shape if len(shape) <= MAX_DIMS else ()
+    return HDR.pack(MAGIC, VERSION, len(shape), tag, gid, src, 0, buf.nbytes,
+                    buf.dtype.encode(), *dims, *([0] * (MAX_DIMS - len(dims))))
+
+
+class _Send:
+    __slots__ = ("req", "chan", "header", "buf", "pos", "total", "dst")
+
+
+class _Recv:
+    __slots__ = ("req", "src", "gid", "tag", "buf")
+
+
+class _Incoming:
+    """A record arriving (or arrived) from ``src``."""
+    __slots__ = ("src", "gid", "tag", "nbytes", "dtype", "shape", "pos", "total",
+                 "target", "data", "addr", "done", "claimed")
+
+    def matches(self, r: _Recv) -> bool:
+        return r.gid == self.gid and r.tag == self.tag and (r.src is None or r.src == self.src)
+
+    def describe(self) -> str:
+        return describe(self.nbytes, self.dtype, self.shape)
+
+
+class Engine:
+    def __init__(self, rank: int, timeout: float, my_ctl: int, chan_out: dict, chan_in: dict,
+                 peer_pids: dict, peer_ctls: dict, oversubscribed: bool):
+        self.rank = rank
+        self.timeout = timeout
+        self.ctl = my_ctl
+        self.chan_out = chan_out          # global rank -> channel we produce into
+        self.chan_in = list(chan_in.items())   # (global rank, channel we consume)
+        self.peer_ctls = peer_ctls        # global rank -> control block address
+        self.sendq: dict[int, deque] = {}
+        self.posted: list[_Recv] = []
+        self.rx: dict[int, _Incoming | None] = {src: None for src, _ in self.chan_in}
+        self.unexpected: list[_Incoming] = []
+        self.lock = threading.RLock()
+        self.dead: dict[int, str] = {}
+        self.pidfds = {}
+        for r, pid in peer_pids.items():
+            try:
+                self.pidfds[r] = os.pidfd_open(pid)
+            except (OSError, AttributeError):
+                self.pidfds[r] = None   # already gone, or no pidfd: checked by kill(0)
+        self.peer_pids = peer_pids
+        spin = os.environ.get("SHMDIST_SPIN")
+        if spin is not None:
+            self.spin, self.yields = int(spin), 0
+        elif oversubscribed:
+            self.spin, self.yields = 0, 4      # more ranks than cores: never burn a core
+        else:
+            self.spin, self.yields = 4000, 0   # ~50 us of spinning, then the futex
+        self.closed = False
+
+    # ------------------------------------------------------------ posting
+
+    def send(self, req, buf, dst: int, gid: int, tag: int) -> None:
+        op = _Send()
+        op.req, op.buf, op.dst, op.pos = req, buf, dst, 0
+        op.chan = self.chan_out[dst]
+        op.header = make_header(tag, gid, self.rank, buf)
+        op.total = _core.record_bytes(buf.nbytes)
+        req._peers = (dst,)
+        with self.lock:
+            q = self.sendq.get(dst)
+            if q:
+                q.append(op)
+                return
+            op.pos = op.chan.push(op.header, buf.addr, buf.nbytes, 0)
+            if op.pos == op.total:
+                req._complete()
+            else:
+                self.sendq[dst] = deque([op])
+
+    def recv(self, req, buf, src: int | None, gid: int, tag: int, members) -> None:
+        r = _Recv()
+        r.req, r.src, r.gid, r.tag, r.buf = req, src, gid, tag, buf
+        req._peers = (src,) if src is not None else tuple(m for m in members if m != self.rank)
+        with self.lock:
+            for inc in self.unexpected:
+                if inc.claimed is None and inc.matches(r):
+                    if self._fits(r, inc):
+                        if inc.done:
+                            self._deliver(r, inc)
+                        else:
+                            inc.claimed = r
+                    return
+            self.posted.append(r)
+            self.progress()
+
+    # ------------------------------------------------------------ progress
+
+    def poll(self) -> None:
+        with self.lock:
+            self.progress()
+
+    def progress(self) -> None:
+        """Move every pending send and receive as far as it goes now."""
+        if self.sendq:
+            for dst in list(self.sendq):
+                q = self.sendq[dst]
+                while q:
+                    op = q[0]
+                    op.pos = op.chan.push(op.header, op.buf.addr, op.buf.nbytes, op.pos)
+                    if op.pos < op.total:
+                        break
+                    q.popleft()
+                    op.req._complete()
+                if not q:
+                    del self.sendq[dst]
+        rx = self.rx
+        for src, chan in self.chan_in:
+            while True:
+                inc = rx[src]
+                if inc is None:
+                    header = chan.peek()
+                    if header is None:
+                        break
+                    inc = rx[src] = self._arrive(src, header)
+                inc.pos = chan.pull(inc.addr, inc.nbytes, inc.pos)
+                if inc.pos < inc.total:
+                    break
+                rx[src] = None
+                self._finish(inc)
+
+    def _arrive(self, src: int, header: bytes) -> _Incoming:
+        magic, version, ndim, tag, gid, hsrc, _, nbytes, dtype, *dims = HDR.unpack(header)
+        if magic != MAGIC or version != VERSION or hsrc != src:
+            raise DistError(f"rank {self.rank}: recv: corrupted message header from rank {src} "
+                            f"(magic {magic:#x}, version {version}, source {hsrc}); the shared "
+                            "memory was overwritten by something else than shmdist")
+        inc = _Incoming()
+        inc.src, inc.gid, inc.tag, inc.nbytes = src, gid, tag, nbytes
+        inc.dtype = dtype.rstrip(b"\0").decode()
+        inc.shape = tuple(dims[:ndim]) if ndim <= MAX_DIMS else (f"{ndim} dims",)
+        inc.pos, inc.total = 0, _core.record_bytes(nbytes)
+        inc.done, inc.claimed, inc.target, inc.data = False, None, None, None
+        i = 0
+        while i < len(self.posted):
+            r = self.posted[i]
+            if inc.matches(r):
+                del self.posted[i]
+                if self._fits(r, inc):
+                    inc.target = r
+                    inc.addr = r.buf.addr
+                    return inc
+                continue        # that receive failed; the message goes to the next one
+            i += 1
+        inc.data = np.empty(nbytes, dtype=np.uint8)
+        inc.addr = inc.data.ctypes.data if nbytes else 0
+        self.unexpected.append(inc)
+        return inc
+
+    def _fits(self, r: _Recv, inc: _Incoming) -> bool:
+        """Check a message against the receive it matched; fail the receive
+        (only it) when they disagree."""
+        if r.buf.nbytes == inc.nbytes and r.buf.dtype == inc.dtype:
+            return True
+        r.req._complete(DistMismatchError(
+            f"rank {self.rank}: recv: expected {r.buf.describe()} from rank {inc.src} (tag {inc.tag}), "
+            f"got {inc.describe()}; post a receive buffer of the sent size and dtype. The message "
+            "was kept: the next matching receive gets it"))
+        return False
+
+    def _finish(self, inc: _Incoming) -> None:
+        if inc.target is not None:
+            self._complete_recv(inc.target, inc.src)
+            return
+        inc.done = True
+        if inc.claimed is not None:
+            self._deliver(inc.claimed, inc)
+
+    def _deliver(self, r: _Recv, inc: _Incoming) -> None:
+        self.unexpected.remove(inc)
+        if inc.nbytes:
+            _core.copy(r.buf.addr, inc.addr, inc.nbytes)
+        self._complete_recv(r, inc.src)
+
+    def _complete_recv(self, r: _Recv, src: int) -> None:
+        if r.buf.finish is not None:
+            r.buf.finish()
+        r.req.source = src
+        r.req._complete()
+
+    # ------------------------------------------------------------ waiting
+
+    def wait_for(self, req, timeout: float | None) -> None:
+        """Block until ``req`` is done, its deadline passes, or a peer it
+        depends on is gone."""
+        limit = self.timeout if timeout is None else float(timeout)
+        start = time.monotonic()
+        deadline = start + limit
+        check_at = start + LIVENESS_PERIOD
+        while True:
+            seen = _core.bell_value(self.ctl)
+            with self.lock:
+                self.progress()
+            if req._done:
+                return
+            now = time.monotonic()
+            if now >= check_at:
+                self._check_peers(req)
+                if req._done:
+                    return
+                check_at = now + LIVENESS_PERIOD
+            if now >= deadline:
+                self._time_out(req, limit)
+            _core.wait_bell(self.ctl, seen, self.spin, self.yields,
+                            min(LIVENESS_PERIOD, deadline - now))
+
+    def peer_gone(self, peer: int) -> str | None:
+        """None while ``peer`` lives and takes part; else why not."""
+        if peer in self.dead:
+            return self.dead[peer]
+        fd = self.pidfds.get(peer, -1)
+        gone = None
+        if fd is None:
+            try:
+                os.kill(self.peer_pids[peer], 0)
+            except ProcessLookupError:
+                gone = "died"
+        elif fd >= 0:
+            p = select.poll()
+            p.register(fd, select.POLLIN)
+            if p.poll(0):
+                gone = "died"
+        if gone is None and peer in self.peer_ctls and _core.ctl_closed(self.peer_ctls[peer]):
+            gone = "left the group (destroy_process_group)"
+        if gone == "died":
+            self.dead[peer] = gone
+        return gone
+
+    def _check_peers(self, req) -> None:
+        gone = [(p, why) for p in getattr(req, "_peers", ()) if p is not None
+                for why in [self.peer_gone(p)] if why]
+        if not gone:
+            return
+        with self.lock:
+            self.progress()   # whatever the peer finished before it went still counts
+            if req._done:
+                return
+            self._cancel(req, force=True)
+        names = ", ".join(f"rank {p} {why}" for p, why in gone)
+        req._complete(DistPeerError(
+            f"rank {self.rank}: {req.op}: {names} before the operation finished; restart the job "
+            "(the survivors cannot complete this operation)"))
+
+    def _time_out(self, req, limit: float) -> None:
+        with self.lock:
+            cancelled = self._cancel(req, force=False)
+        peers = [p for p in getattr(req, "_peers", ()) if p is not None]
+        who = f" with rank {peers[0]}" if len(peers) == 1 else (" with any rank" if peers else "")
+        fate = ("it was cancelled" if cancelled else
+                "part of the message already moved, so it stays pending: wait() again to finish it")
+        raise DistTimeoutError(
+            f"rank {self.rank}: {req.op}{who} timed out after {limit:g} s; {fate}. Check that the "
+            "peer posts the matching call, or pass a larger timeout")
+
+    def _cancel(self, req, force: bool) -> bool:
+        """Withdraw the operation behind ``req`` if nothing of it moved yet
+        (or, with ``force``, because its peer is gone). True if withdrawn."""
+        for i, r in enumerate(self.posted):
+            if r.req is req:
+                del self.posted[i]
+                return True
+        for inc in self.unexpected:
+            if inc.claimed is not None and inc.claimed.req is req:
+                if not force:
+                    return False
+                inc.claimed = None
+                return True
+        for src, inc in self.rx.items():
+            if inc is not None and inc.target is not None and inc.target.req is req:
+                if force:
+                    self.rx[src] = None
+                return force
+        for dst, q in self.sendq.items():
+            for i, op in enumerate(q):
+                if op.req is req:
+                    if op.pos == 0 or force:
+                        del q[i]
+                        if not q:
+                            del self.sendq[dst]
+                        return True
+                    return False
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+        for fd in self.pidfds.values():
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.pidfds = {}

@@ -1,0 +1,32 @@
+"""The one family of errors shmdist raises.
+
+Every message names the rank, the operation, what was expected and what to
+do about it; the helpers here keep that wording in one place.
+"""
+from __future__ import annotations
+
+
+class DistError(RuntimeError):
+    """Base class of every error shmdist raises on purpose."""
+
+
+class DistTimeoutError(DistError, TimeoutError):
+    """A wait passed its deadline. The group stays usable."""
+
+
+class DistPeerError(DistError):
+    """A peer died, closed its socket, or left the group before finishing."""
+
+
+class DistMismatchError(DistError):
+    """Ranks called different operations, or the same one with different
+    sizes, dtypes, ops or roots, or a message did not fit its receive."""
+
+
+class DistNotInitializedError(DistError):
+    """No process group yet: call shmdist.init_process_group first."""
+
+
+def where(rank: int, op: str) -> str:
+    """The prefix every error message starts with."""
+    return f"rank {rank}: {op}"

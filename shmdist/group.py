@@ -1,0 +1,356 @@
+"""Process groups and the point-to-point API (the torch.distributed surface).
+
+One default group per process (as torch has); ``new_group`` makes more.
+Ranks passed by users (``dst``, ``src``, roots) are global ranks, as in torch.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import threading
+
+from shmdist import rendezvous
+from shmdist.engine import Engine
+from shmdist.errors import DistError, DistMismatchError, DistNotInitializedError
+from shmdist.request import DistributedRequest
+from shmdist.shm import ShmHost
+from shmdist.tensors import as_buf
+
+DEFAULT_TIMEOUT = 1800.0   # seconds, torch's default for CPU backends
+BACKENDS = {"shm": "shm", "gloo": "shm", "tcp": "tcp"}
+
+
+def _seconds(timeout) -> float:
+    if timeout is None:
+        return float(os.environ.get("SHMDIST_TIMEOUT", DEFAULT_TIMEOUT))
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    return float(timeout)
+
+
+class ProcessGroup:
+    """A set of global ranks that communicate together.
+
+    ``rank()`` and ``size()`` are this process's rank in the group (-1 when
+    it is not a member) and the group's size, as in torch.
+    """
+
+    def __init__(self, world: "World", gid: int, ranks: tuple[int, ...], timeout: float):
+        self.world = world
+        self.gid = gid
+        self.ranks = ranks
+        self.timeout = timeout
+        self._rank = ranks.index(world.rank) if world.rank in ranks else -1
+        self.destroyed = False
+        self.coll = None       # the collective engine of this group, when a member
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_member(self) -> bool:
+        return self._rank >= 0
+
+    def group_rank(self, global_rank: int) -> int:
+        return self.ranks.index(global_rank)
+
+    def __repr__(self) -> str:
+        return f"<shmdist.ProcessGroup {self.gid} ranks={list(self.ranks)}>"
+
+
+class World:
+    """Everything init_process_group set up in this process."""
+
+    def __init__(self, rank, world_size, backend, timeout, store, owned_store):
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.timeout = timeout
+        self.store = store
+        self.owned_store = owned_store
+        self.host = None
+        self.engine = None
+        self.groups: list[ProcessGroup] = []
+        self.default: ProcessGroup | None = None
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+
+    def barrier(self, name: str) -> None:
+        """Store-based barrier of every rank of the world (set-up only)."""
+        if self.store.add(name, 1) == self.world_size:
+            self.store.set(name + "/done", b"1")
+        self.store.get(name + "/done", self.timeout)
+
+    def close(self) -> None:
+        if os.getpid() != self.pid:
+            return      # a forked child: leave the parent's resources alone
+        for g in self.groups:
+            g.destroyed = True
+            if g.coll is not None:
+                g.coll.close()
+        if self.engine is not None:
+            self.engine.close()
+        if self.host is not None:
+            self.host.close()
+        if self.owned_store is not None:
+            self.owned_store.close()
+
+
+_world: World | None = None
+
+
+def world(op: str = "this call") -> World:
+    if _world is None:
+        raise DistNotInitializedError(
+            f"{op}: default process group has not been initialized, please make sure to call "
+            "shmdist.init_process_group first")
+    if os.getpid() != _world.pid:
+        raise DistError(
+            f"{op}: this process (pid {os.getpid()}) was forked from rank {_world.rank} (pid "
+            f"{_world.pid}) after init_process_group; a forked child cannot use its parent's group. "
+            "Call init_process_group in the child with its own rank, or communicate from the parent")
+    return _world
+
+
+def init_process_group(backend: str | None = None, init_method: str | None = None, timeout=None,
+                       world_size: int = -1, rank: int = -1, store=None, group_name: str = "",
+                       pg_options=None, device_id=None) -> None:
+    """Join the job: meet the other ranks, map shared memory, build the default group."""
+    global _world
+    if _world is not None:
+        raise DistError(f"rank {_world.rank}: init_process_group: trying to initialize the default "
+                        "process group twice; call destroy_process_group first")
+    name = str(backend or "shm").lower()
+    if name not in BACKENDS:
+        raise DistError(f"init_process_group: unknown backend '{backend}'; shmdist offers 'shm' "
+                        "(shared memory between local ranks), 'tcp', and 'gloo' as a name for 'shm'")
+    kind = BACKENDS[name]
+    if os.environ.get("SHMDIST_TRANSPORT", "").lower() == "tcp":
+        kind = "tcp"
+    seconds = _seconds(timeout)
+    if store is None:
+        scheme, where, rank, world_size = rendezvous.parse_init_method(init_method, rank, world_size)
+    else:
+        scheme, where = "store", None
+        if rank < 0 or world_size < 0:
+            env = os.environ
+            rank = int(env.get("RANK", rank)) if rank < 0 else rank
+            world_size = int(env.get("WORLD_SIZE", world_size)) if world_size < 0 else world_size
+    if not isinstance(world_size, int) or world_size < 1:
+        raise DistError(f"init_process_group: world_size must be a positive int, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise DistError(f"init_process_group: rank {rank!r} is outside [0, {world_size}); give each "
+                        f"process a distinct rank from 0 to {world_size - 1}")
+    owned = None
+    if store is None:
+        if scheme == "tcp":
+            host, port = where
+            label = "env://" if (init_method or "env://").startswith("env") else "tcp://"
+            owned = rendezvous.TCPStore(host, port, is_master=(rank == 0), timeout=seconds, scheme=label)
+        else:
+            owned = rendezvous.FileStore(where, world_size, seconds)
+        store = owned
+    w = World(rank, world_size, kind, seconds, rendezvous.PrefixStore("shmdist/", store), owned)
+    try:
+        _setup(w)
+    except BaseException:
+        w.close()
+        raise
+    _world = w
+
+
+def _setup(w: World) -> None:
+    who = f"rank {w.rank}: init_process_group"
+    store = w.store
+    if store.add(f"claim/{w.rank}", 1) > 1:
+        raise DistError(f"{who}: rank {w.rank} is already claimed by another process; give each "
+                        "process a distinct rank (and, for file://, a fresh file)")
+    me = {"world_size": w.world_size, "host": rendezvous.host_identity(), "pid": os.getpid(),
+          "backend": w.backend}
+    store.set(f"info/{w.rank}", json.dumps(me).encode())
+    infos = [json.loads(store.get(f"info/{r}", w.timeout)) for r in range(w.world_size)]
+    for r, info in enumerate(infos):
+        if info["world_size"] != w.world_size:
+            raise DistMismatchError(f"{who}: rank {r} was started with world_size {info['world_size']} "
+                                    f"but this rank with {w.world_size}; start every rank with the same "
+                                    "world_size")
+        if info["backend"] != w.backend:
+            raise DistMismatchError(f"{who}: rank {r} uses backend '{info['backend']}' but this rank "
+                                    f"'{w.backend}'; pass the same backend everywhere")
+    local = [r for r, info in enumerate(infos) if info["host"] == me["host"]]
+    if w.backend == "tcp" or len(local) != w.world_size:
+        raise DistError(f"{who}: ranks on other hosts (or backend 'tcp') need the TCP transport, "
+                        "which this version of shmdist does not have yet; run every rank on one host "
+                        "with backend 'shm'")
+    w.host = ShmHost.open(store, f"seg/{me['host']}", local, w.rank, who, w.timeout)
+    peers = {r: infos[r]["pid"] for r in local if r != w.rank}
+    oversubscribed = len(local) > len(os.sched_getaffinity(0))
+    w.engine = Engine(w.rank, w.timeout, w.host.my_ctl, w.host.out, w.host.inc, peers,
+                      {r: c for r, c in w.host.ctls.items() if r != w.rank}, oversubscribed)
+    w.default = ProcessGroup(w, 0, tuple(range(w.world_size)), w.timeout)
+    w.groups.append(w.default)
+    w.barrier("init")
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Leave the job (default group) or retire one group. Pending sends that
+    have not completed are dropped; completed ones stay deliverable."""
+    global _world
+    w = world("destroy_process_group")
+    if group is None or group is w.default:
+        _world = None
+        w.close()
+        return
+    group.destroyed = True
+    if group.coll is not None:
+        group.coll.close()
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    return world("get_backend").backend
+
+
+def _group(group, op: str) -> tuple[World, ProcessGroup]:
+    w = world(op)
+    g = w.default if group is None else group
+    if not isinstance(g, ProcessGroup):
+        raise TypeError(f"rank {w.rank}: {op}: group must be a shmdist ProcessGroup (from new_group) "
+                        f"or None, got {type(g).__name__}")
+    if g.destroyed:
+        raise DistError(f"rank {w.rank}: {op}: group {list(g.ranks)} was destroyed")
+    return w, g
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    w, g = _group(group, "get_rank")
+    return g.rank()
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    w, g = _group(group, "get_world_size")
+    return g.size() if g.is_member else -1
+
+
+def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
+              use_local_synchronization=False, group_desc=None) -> ProcessGroup:
+    """Make a group of ``ranks`` (all ranks when None). Every rank of the job
+    must call it, in the same order, as in torch; non-members get a group
+    whose ``rank()`` is -1."""
+    w = world("new_group")
+    who = f"rank {w.rank}: new_group"
+    if backend is not None and str(backend).lower() not in BACKENDS:
+        raise DistError(f"{who}: unknown backend '{backend}'")
+    members = list(range(w.world_size)) if ranks is None else list(ranks)
+    for r in members:
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < w.world_size:
+            raise DistError(f"{who}: rank {r!r} is not a rank of this job (0..{w.world_size - 1})")
+    if len(set(members)) != len(members):
+        raise DistError(f"{who}: ranks {members} repeat a rank; list each rank once")
+    members = tuple(sorted(members))
+    gid = len(w.groups)
+    g = ProcessGroup(w, gid, members, _seconds(timeout) if timeout is not None else w.timeout)
+    sig = hashlib.sha1(repr(members).encode()).hexdigest()[:12]
+    w.store.add(f"group/{gid}/sig/{sig}", 1)
+    from shmdist import collectives
+    if g.is_member:
+        g.coll = collectives.open_group(w, g)
+    w.barrier(f"group/{gid}")
+    agree = int(w.store.get(f"group/{gid}/sig/{sig}", w.timeout))
+    if agree != w.world_size:
+        if g.coll is not None:
+            g.coll.close()
+        raise DistMismatchError(f"{who}: only {agree} of {w.world_size} ranks asked for group {gid} "
+                                f"with ranks {list(members)}; every rank must call new_group with the "
+                                "same ranks, in the same order")
+    w.groups.append(g)
+    return g
+
+
+# ---------------------------------------------------------------- point to point
+
+def _peer(w: World, g: ProcessGroup, peer, op: str, what: str) -> int:
+    if not isinstance(peer, int) or isinstance(peer, bool):
+        raise TypeError(f"rank {w.rank}: {op}: {what} must be an int (a global rank), got {peer!r}")
+    if peer not in g.ranks:
+        where = "the job" if g is w.default else f"group {list(g.ranks)}"
+        raise DistError(f"rank {w.rank}: {op}: {what}={peer} is not a rank of {where}; pass a global "
+                        "rank that belongs to the group")
+    if peer == w.rank:
+        raise DistError(f"rank {w.rank}: {op}: {what}={peer} is this process's own rank; a rank cannot "
+                        "send to or receive from itself")
+    return peer
+
+
+def _member(w: World, g: ProcessGroup, op: str) -> None:
+    if not g.is_member:
+        raise DistError(f"rank {w.rank}: {op}: this rank is not a member of group {list(g.ranks)}; "
+                        "only its members may use it")
+
+
+def _tag(w, tag, op) -> int:
+    if not isinstance(tag, int) or isinstance(tag, bool):
+        raise TypeError(f"rank {w.rank}: {op}: tag must be an int, got {tag!r}")
+    return tag
+
+
+def send(tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> DistributedRequest:
+    """Send ``tensor`` to global rank ``dst``. Returns at once; ``wait()``
+    returns when the bytes are handed over (the tensor may be reused then)."""
+    w, g = _group(group, "send")
+    _member(w, g, "send")
+    dst = _peer(w, g, dst, "send", "dst")
+    buf = as_buf(tensor, writable=False, who=f"rank {w.rank}: send")
+    req = DistributedRequest(w.engine, f"send to rank {dst}")
+    w.engine.send(req, buf, dst, g.gid, _tag(w, tag, "send"))
+    return req
+
+
+def recv(tensor, src: int | None = None, group: ProcessGroup | None = None,
+         tag: int = 0) -> DistributedRequest:
+    """Receive into ``tensor`` from global rank ``src`` (any rank when None).
+    The request's ``source`` tells the sender once complete."""
+    w, g = _group(group, "recv")
+    _member(w, g, "recv")
+    if src is not None:
+        src = _peer(w, g, src, "recv", "src")
+    buf = as_buf(tensor, writable=True, who=f"rank {w.rank}: recv")
+    req = DistributedRequest(w.engine, f"recv from rank {src}" if src is not None else "recv from any rank",
+                             [tensor])
+    w.engine.recv(req, buf, src, g.gid, _tag(w, tag, "recv"), g.ranks)
+    return req
+
+
+isend = send
+irecv = recv
+
+
+class P2POp:
+    """One operation of batch_isend_irecv: ``op`` is shmdist.isend or shmdist.irecv."""
+
+    def __init__(self, op, tensor, peer: int, group: ProcessGroup | None = None, tag: int = 0):
+        if op not in (send, recv):
+            raise ValueError("P2POp: op must be shmdist.isend or shmdist.irecv")
+        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+
+
+def batch_isend_irecv(p2p_op_list) -> list[DistributedRequest]:
+    return [p.op(p.tensor, p.peer, p.group, p.tag) for p in p2p_op_list]
+
+
+def memory_usage() -> dict:
+    """Bytes of shared memory this rank maps, by purpose."""
+    w = world("memory_usage")
+    out = dict(w.host.memory())
+    arenas = sum(g.coll.arena_bytes() for g in w.groups if g.coll is not None)
+    out["collective_arenas"] = arenas
+    out["total_mapped"] = w.host.seg.size + arenas
+    return out

@@ -1,0 +1,497 @@
+"""Rendezvous: parse init_method, and the small key-value stores ranks meet in.
+
+``tcp://host:port`` and ``env://``: rank 0 serves a TCPStore, the others
+connect with retries until the timeout. ``file:///path``: a FileStore.
+A store maps str keys to bytes values and offers set, get (blocking with a
+deadline), add (atomic counter) and delete.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import hmac
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from urllib.parse import urlparse, unquote
+
+from shmdist.errors import DistError, DistTimeoutError
+
+SECRET_ENV = "SHMDIST_SECRET"
+
+_OP_SET, _OP_GET, _OP_ADD, _OP_DEL, _OP_HELLO = range(1, 6)
+_OK, _TIMEOUT, _DENIED = range(3)
+_REQ = struct.Struct("<BIQd")   # op, key length, value length, timeout seconds
+_REP = struct.Struct("<BQ")      # status, value length
+_MAX_FRAME = 1 << 30
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("connection closed")
+        got += k
+    return bytes(buf)
+
+
+def _auth_token(secret: str, nonce: bytes) -> bytes:
+    return hmac.new(secret.encode(), nonce, hashlib.sha256).digest()
+
+
+class _Waiter:
+    __slots__ = ("conn", "key", "deadline")
+
+    def __init__(self, conn, key, deadline):
+        self.conn, self.key, self.deadline = conn, key, deadline
+
+
+class _StoreServer:
+    """A single-threaded selector loop serving the TCPStore protocol."""
+
+    def __init__(self, sock: socket.socket, secret: str | None):
+        self.sock = sock
+        self.secret = secret
+        self.data: dict[str, bytes] = {}
+        self.waiters: list[_Waiter] = []
+        self.conns: dict[socket.socket, bytearray] = {}
+        self.authed: set[socket.socket] = set()
+        self.nonce: dict[socket.socket, bytes] = {}
+        self.sel = selectors.DefaultSelector()
+        self.stop = threading.Event()
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.thread = threading.Thread(target=self._loop, name="shmdist-store", daemon=True)
+
+    def start(self):
+        self.sock.setblocking(False)
+        self.sel.register(self.sock, selectors.EVENT_READ, "accept")
+        self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
+        self.thread.start()
+
+    def close(self, timeout: float = 5.0):
+        """Finish the request being served (so replies already due go out), then stop."""
+        self.stop.set()
+        try:
+            self.wake_w.send(b"x")
+        except OSError:
+            pass
+        self.thread.join(timeout)
+        for c in list(self.conns):
+            c.close()
+        for s in (self.sock, self.wake_r, self.wake_w):
+            s.close()
+        self.sel.close()
+
+    def _loop(self):
+        while not self.stop.is_set():
+            now = time.monotonic()
+            timeout = None
+            if self.waiters:
+                timeout = max(0.0, min(w.deadline for w in self.waiters) - now)
+            for key, _ in self.sel.select(timeout):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "wake":
+                    self.wake_r.recv(64)
+                else:
+                    self._read(key.fileobj)
+            self._expire()
+
+    def _accept(self):
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return
+        conn.setblocking(True)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.conns[conn] = bytearray()
+        nonce = os.urandom(16)
+        self.nonce[conn] = nonce
+        try:
+            conn.sendall(nonce)
+        except OSError:
+            self._drop(conn)
+            return
+        self.sel.register(conn, selectors.EVENT_READ, "conn")
+
+    def _drop(self, conn):
+        try:
+            self.sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        self.conns.pop(conn, None)
+        self.authed.discard(conn)
+        self.nonce.pop(conn, None)
+        self.waiters = [w for w in self.waiters if w.conn is not conn]
+        conn.close()
+
+    def _reply(self, conn, status: int, value: bytes = b""):
+        try:
+            conn.sendall(_REP.pack(status, len(value)) + value)
+        except OSError:
+            self._drop(conn)
+
+    def _read(self, conn):
+        buf = self.conns.get(conn)
+        if buf is None:
+            return
+        try:
+            chunk = conn.recv(1 << 16)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(conn)
+            return
+        buf += chunk
+        while len(buf) >= _REQ.size:
+            op, klen, vlen, tmo = _REQ.unpack_from(buf)
+            if klen > _MAX_FRAME or vlen > _MAX_FRAME:
+                self._drop(conn)   # garbage: not one of ours
+                return
+            end = _REQ.size + klen + vlen
+            if len(buf) < end:
+                break
+            key = bytes(buf[_REQ.size:_REQ.size + klen]).decode("utf-8", "replace")
+            value = bytes(buf[_REQ.size + klen:end])
+            del buf[:end]
+            if not self._handle(conn, op, key, value, tmo):
+                return
+
+    def _handle(self, conn, op, key, value, tmo) -> bool:
+        if op == _OP_HELLO:
+            if self.secret and not hmac.compare_digest(value, _auth_token(self.secret, self.nonce[conn])):
+                self._reply(conn, _DENIED)
+                self._drop(conn)
+                return False
+            self.authed.add(conn)
+            self._reply(conn, _OK)
+            return True
+        if conn not in self.authed:
+            self._drop(conn)
+            return False
+        if op == _OP_SET:
+            self.data[key] = value
+            self._reply(conn, _OK)
+            self._notify(key)
+        elif op == _OP_GET:
+            if key in self.data:
+                self._reply(conn, _OK, self.data[key])
+            else:
+                self.waiters.append(_Waiter(conn, key, time.monotonic() + tmo))
+        elif op == _OP_ADD:
+            n = int(self.data.get(key, b"0")) + int(value)
+            self.data[key] = str(n).encode()
+            self._reply(conn, _OK, self.data[key])
+            self._notify(key)
+        elif op == _OP_DEL:
+            self.data.pop(key, None)
+            self._reply(conn, _OK)
+        else:
+            self._drop(conn)
+            return False
+        return True
+
+    def _notify(self, key):
+        ready = [w for w in self.waiters if w.key == key]
+        if ready:
+            self.waiters = [w for w in self.waiters if w.key != key]
+            for w in ready:
+                self._reply(w.conn, _OK, self.data[key])
+
+    def _expire(self):
+        now = time.monotonic()
+        late = [w for w in self.waiters if w.deadline <= now]
+        if late:
+            self.waiters = [w for w in self.waiters if w.deadline > now]
+            for w in late:
+                self._reply(w.conn, _TIMEOUT)
+
+
+class TCPStore:
+    """Key-value store over TCP; the master process also serves it."""
+
+    def __init__(self, host: str, port: int, *, is_master: bool, timeout: float,
+                 scheme: str = "tcp://", secret: str | None = None):
+        self.host, self.port, self.timeout = host, port, timeout
+        self.scheme = scheme
+        self.secret = secret if secret is not None else os.environ.get(SECRET_ENV) or None
+        self.server = None
+        self.lock = threading.Lock()
+        if is_master:
+            self.server = _StoreServer(self._listen(host, port), self.secret)
+            self.server.start()
+            self.port = self.server.sock.getsockname()[1]
+        try:
+            self.sock = self._connect(timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _listen(self, host, port) -> socket.socket:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        last = None
+        for family, kind, proto, _, addr in infos:
+            s = socket.socket(family, kind, proto)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+                s.listen(1024)
+                return s
+            except OSError as e:
+                s.close()
+                last = e
+        if last is not None and last.errno == errno.EADDRINUSE:
+            raise DistError(
+                f"Error initializing shmdist using {self.scheme} rendezvous: port {port} on {host} is "
+                "already in use (another job, or a previous run still exiting); choose another "
+                "MASTER_PORT / init_method port") from last
+        raise DistError(f"Error initializing shmdist using {self.scheme} rendezvous: cannot listen on "
+                        f"{host}:{port}: {last}") from last
+
+    def _connect(self, timeout) -> socket.socket:
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        last = None
+        while True:
+            try:
+                s = socket.create_connection((self.host, self.port), timeout=max(0.1, deadline - time.monotonic()))
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                s.settimeout(None)
+                nonce = _recv_exact(s, 16)
+                token = _auth_token(self.secret, nonce) if self.secret else b""
+                status, _ = self._request_on(s, _OP_HELLO, "", token, 0.0)
+                if status == _DENIED:
+                    s.close()
+                    raise DistError(
+                        f"Error initializing shmdist using {self.scheme} rendezvous: the store at "
+                        f"{self.host}:{self.port} refused this process's {SECRET_ENV}; set the same "
+                        "secret in every rank")
+                return s
+            except (OSError, ConnectionError) as e:
+                last = e
+            if time.monotonic() + delay > deadline:
+                raise DistTimeoutError(
+                    f"Error initializing shmdist using {self.scheme} rendezvous: could not reach the "
+                    f"master at {self.host}:{self.port} within {timeout:g} s ({last}); check that rank 0 "
+                    "is running and that MASTER_ADDR / MASTER_PORT point to it")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    @staticmethod
+    def _request_on(sock, op, key, value, tmo):
+        k = key.encode()
+        sock.sendall(_REQ.pack(op, len(k), len(value), tmo) + k + value)
+        status, n = _REP.unpack(_recv_exact(sock, _REP.size))
+        return status, (_recv_exact(sock, n) if n else b"")
+
+    def _request(self, op, key, value=b"", tmo=0.0):
+        with self.lock:
+            try:
+                return self._request_on(self.sock, op, key, value, tmo)
+            except (OSError, ConnectionError) as e:
+                from shmdist.errors import DistPeerError
+                raise DistPeerError(
+                    f"rendezvous store at {self.host}:{self.port} went away during '{key}' ({e}); "
+                    "rank 0, which serves it, has probably exited") from e
+
+    def set(self, key: str, value: bytes) -> None:
+        self._request(_OP_SET, key, bytes(value))
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        tmo = self.timeout if timeout is None else timeout
+        status, value = self._request(_OP_GET, key, b"", tmo)
+        if status == _TIMEOUT:
+            raise DistTimeoutError(f"rendezvous: waited {tmo:g} s for key '{key}' in the store at "
+                                   f"{self.host}:{self.port}; a rank has not arrived")
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._request(_OP_ADD, key, str(int(amount)).encode())[1])
+
+    def delete(self, key: str) -> None:
+        self._request(_OP_DEL, key)
+
+    def close(self) -> None:
+        sock = getattr(self, "sock", None)
+        if sock is not None:
+            sock.close()
+            self.sock = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+class FileStore:
+    """A store in one file, for ``file://`` rendezvous: append-only records
+    under an fcntl lock. The file is removed by the last rank to close."""
+
+    def __init__(self, path: str, world_size: int, timeout: float):
+        self.path, self.world_size, self.timeout = path, world_size, timeout
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise DistError(f"Error initializing shmdist using file:// rendezvous: cannot open {path}: "
+                            f"{e}; use a path in a writable directory that every rank sees") from e
+        self.closed = False
+        self.add("__users__", 1)
+
+    def _records(self) -> dict[str, bytes]:
+        os.lseek(self.fd, 0, os.SEEK_SET)
+        raw = b""
+        while True:
+            chunk = os.read(self.fd, 1 << 20)
+            if not chunk:
+                break
+            raw += chunk
+        out: dict[str, bytes] = {}
+        for line in raw.splitlines():
+            k, _, v = line.partition(b"\t")
+            out[bytes.fromhex(k.decode()).decode()] = bytes.fromhex(v.decode())
+        return out
+
+    def _append(self, key, value):
+        os.lseek(self.fd, 0, os.SEEK_END)
+        os.write(self.fd, key.encode().hex().encode() + b"\t" + bytes(value).hex().encode() + b"\n")
+
+    def set(self, key, value):
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            self._append(key, value)
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def get(self, key, timeout=None):
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        delay = 0.001
+        while True:
+            fcntl.flock(self.fd, fcntl.LOCK_SH)
+            try:
+                recs = self._records()
+            finally:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            if key in recs:
+                return recs[key]
+            if time.monotonic() > deadline:
+                raise DistTimeoutError(f"rendezvous: waited for key '{key}' in {self.path}; a rank has "
+                                       "not arrived")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def add(self, key, amount):
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            n = int(self._records().get(key, b"0")) + int(amount)
+            self._append(key, str(n).encode())
+            return n
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def delete(self, key):
+        pass
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        if self.add("__users__", -1) == 0:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+        os.close(self.fd)
+
+
+class PrefixStore:
+    """Keys of one init (or one group) under a prefix, over any store
+    (ours or a torch.distributed Store)."""
+
+    def __init__(self, prefix: str, store):
+        self.prefix, self.store = prefix, store
+
+    def set(self, key, value):
+        self.store.set(self.prefix + key, value)
+
+    def get(self, key, timeout=None):
+        if isinstance(self.store, (TCPStore, FileStore, PrefixStore)):
+            return self.store.get(self.prefix + key, timeout)
+        return bytes(self.store.get(self.prefix + key))   # a torch Store: its own timeout
+
+    def add(self, key, amount):
+        return int(self.store.add(self.prefix + key, amount))
+
+
+def parse_init_method(init_method: str | None, rank: int, world_size: int):
+    """Return (kind, where, rank, world_size) from init_method and the environment.
+
+    kind is "tcp" (where = (host, port)) or "file" (where = path).
+    """
+    if init_method is None:
+        init_method = "env://"
+    url = urlparse(init_method)
+    scheme = url.scheme
+    if scheme == "env":
+        env = os.environ
+        try:
+            if rank < 0:
+                rank = int(env["RANK"])
+            if world_size < 0:
+                world_size = int(env["WORLD_SIZE"])
+            host = env["MASTER_ADDR"]
+            port = int(env["MASTER_PORT"])
+        except KeyError as e:
+            raise DistError(f"Error initializing shmdist using env:// rendezvous: environment variable "
+                            f"{e.args[0]} expected, but not set; run under shmdist-run or torchrun, or "
+                            "pass init_method='tcp://HOST:PORT' with rank and world_size") from None
+        except ValueError as e:
+            raise DistError(f"Error initializing shmdist using env:// rendezvous: {e}") from None
+        return "tcp", (host, port), rank, world_size
+    if scheme == "tcp":
+        if not url.hostname:
+            raise DistError(f"Error initializing shmdist using tcp:// rendezvous: host missing in "
+                            f"'{init_method}'; write tcp://HOST:PORT")
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        if port is None:
+            raise DistError(f"Error initializing shmdist using tcp:// rendezvous: port number missing "
+                            f"in '{init_method}'; write tcp://HOST:PORT")
+        return "tcp", (url.hostname, port), rank, world_size
+    if scheme == "file":
+        path = unquote(url.path)
+        if not path:
+            raise DistError(f"Error initializing shmdist using file:// rendezvous: path missing in "
+                            f"'{init_method}'; write file:///absolute/path")
+        return "file", path, rank, world_size
+    raise DistError(f"Error initializing shmdist: unknown init_method scheme '{scheme}://' in "
+                    f"'{init_method}'; use tcp://HOST:PORT, env:// or file:///PATH")
+
+
+def host_identity() -> str:
+    """Ranks with the same identity can map each other's shared memory.
+
+    SHMDIST_HOST_ID overrides it (containers; tests that pretend to be
+    several hosts)."""
+    forced = os.environ.get("SHMDIST_HOST_ID")
+    if forced:
+        return forced
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        pass
+    for path in ("/dev/shm", "/proc/self/ns/pid", "/proc/self/ns/ipc"):
+        try:
+            st = os.stat(path)
+            parts.append(f"{st.st_dev}:{st.st_ino}")
+        except OSError:
+            pass
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]

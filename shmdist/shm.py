@@ -1,0 +1,105 @@
+"""The shared-memory transport: one segment per host and job, holding a
+control block per local rank and one ring per ordered pair of local ranks.
+
+Layout (offsets in bytes):
+
+    0                      segment header (segment.py) + ring size, rank count
+    4096                   control blocks, CTL_BYTES per local rank
+    rings_at               ring (s -> d) for every s != d: RING_CTL_BYTES of
+                           head/tail, then ring_bytes of data
+"""
+from __future__ import annotations
+
+import os
+import struct
+
+from shmdist import _core, segment
+
+_LAYOUT = struct.Struct("<QQ")          # ring bytes, local ranks; after the segment header
+_LAYOUT_AT = 64
+DEFAULT_RING_BYTES = 1 << 20            # per ordered pair, up to 8 local ranks
+SMALL_RING_BYTES = 1 << 18              # per ordered pair beyond 8 local ranks
+RING_ENV = "SHMDIST_RING_BYTES"
+
+
+def ring_bytes_for(nlocal: int) -> int:
+    """Ring size per ordered pair: SHMDIST_RING_BYTES, else by rank count so
+    that 16 local ranks stay under 64 MiB of /dev/shm."""
+    raw = os.environ.get(RING_ENV)
+    if raw:
+        value = int(raw, 0)
+        if value < 4096 or value & (value - 1):
+            raise ValueError(f"{RING_ENV}={raw}: the ring size must be a power of two >= 4096")
+        return value
+    return DEFAULT_RING_BYTES if nlocal <= 8 else SMALL_RING_BYTES
+
+
+def _align(n: int, a: int = 4096) -> int:
+    return (n + a - 1) // a * a
+
+
+def segment_bytes(nlocal: int, ring_bytes: int) -> int:
+    rings_at = _align(segment.HEADER_BYTES + nlocal * _core.CTL_BYTES)
+    return rings_at + nlocal * (nlocal - 1) * (_core.RING_CTL_BYTES + ring_bytes)
+
+
+class ShmHost:
+    """This rank's view of the host segment: its control block, its rings."""
+
+    @staticmethod
+    def open(store, key: str, local_ranks: list[int], rank: int, who: str, timeout: float) -> "ShmHost":
+        """Create (lowest local rank) or attach the host segment, and map it."""
+        n = len(local_ranks)
+        creator = rank == local_ranks[0]
+        size = ring = 0
+        if creator:
+            ring = ring_bytes_for(n)
+            size = segment_bytes(n, ring)
+        seg = segment.share(store, key, n, creator, size, who, timeout,
+                            init=lambda s: _LAYOUT.pack_into(s.mm, _LAYOUT_AT, ring, n))
+        try:
+            return ShmHost(seg, local_ranks, rank)
+        except BaseException:
+            seg.close()
+            raise
+
+    def __init__(self, seg: segment.Segment, local_ranks: list[int], rank: int):
+        self.seg = seg
+        n = len(local_ranks)
+        self.ring_bytes, nl = _LAYOUT.unpack_from(seg.mm, _LAYOUT_AT)
+        assert nl == n, "segment laid out for another number of local ranks"
+        self.local_ranks = local_ranks
+        self.me = local_ranks.index(rank)
+        base = seg.addr
+        self.ctls = {r: base + segment.HEADER_BYTES + i * _core.CTL_BYTES
+                     for i, r in enumerate(local_ranks)}
+        rings_at = _align(segment.HEADER_BYTES + n * _core.CTL_BYTES)
+        stride = _core.RING_CTL_BYTES + self.ring_bytes
+
+        def ring(s: int, d: int, other: int):
+            idx = s * (n - 1) + (d if d < s else d - 1)
+            at = base + rings_at + idx * stride
+            return _core.Ring(at, at + _core.RING_CTL_BYTES, self.ring_bytes, self.ctls[other])
+
+        self.out = {r: ring(self.me, i, r) for i, r in enumerate(local_ranks) if i != self.me}
+        self.inc = {r: ring(i, self.me, r) for i, r in enumerate(local_ranks) if i != self.me}
+        self.my_ctl = self.ctls[rank]
+        _core.ctl_set_pid(self.my_ctl, os.getpid())
+
+    def memory(self) -> dict:
+        n = len(self.local_ranks)
+        return {
+            "segment_bytes": self.seg.size,
+            "ring_bytes_per_pair": self.ring_bytes,
+            "rings_of_this_rank": 2 * (n - 1) * self.ring_bytes,
+        }
+
+    def close(self) -> None:
+        """Say goodbye: peers waiting on this rank learn it left, not died."""
+        if os.getpid() != self.seg.pid:
+            return
+        _core.ctl_close(self.my_ctl)
+        for r, ctl in self.ctls.items():
+            _core.ring_bell(ctl)
+        self.out = self.inc = {}
+        self.seg.close()

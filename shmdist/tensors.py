@@ -1,0 +1,108 @@
+"""Turn numpy arrays and torch CPU tensors into (address, size, dtype, shape).
+
+torch is imported only when a torch tensor actually arrives, so that
+``import shmdist`` stays light.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from shmdist import _core
+from shmdist.errors import DistError
+
+MAX_DIMS = 8  # dims carried in a message header; more still work, by element count
+
+
+class Buf:
+    """One tensor's memory, ready for the core.
+
+    ``obj`` owns the memory (kept alive while ``addr`` is in use);
+    ``finish`` copies a temporary back into a non-contiguous receive target.
+    """
+
+    __slots__ = ("obj", "addr", "nbytes", "dtype", "shape", "tensor", "finish")
+
+    def __init__(self, obj, addr, nbytes, dtype, shape, tensor, finish=None):
+        self.obj = obj
+        self.addr = addr
+        self.nbytes = nbytes
+        self.dtype = dtype
+        self.shape = shape
+        self.tensor = tensor
+        self.finish = finish
+
+    def describe(self) -> str:
+        return describe(self.nbytes, self.dtype, self.shape)
+
+
+def describe(nbytes: int, dtype: str, shape: tuple) -> str:
+    dims = ",".join(str(d) for d in shape)
+    return f"{nbytes} bytes ({dtype}[{dims}])"
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_torch_tensor(obj) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def torch_dtype_name(dtype) -> str:
+    return str(dtype).rpartition(".")[2]
+
+
+def as_buf(tensor, *, writable: bool, who: str) -> Buf:
+    """Describe ``tensor`` for a send (``writable=False``) or a receive.
+
+    Non-contiguous tensors are handled: a send sends a contiguous copy, a
+    receive lands in a contiguous temporary copied back on completion.
+    ``who`` is the error prefix ("rank 0: send").
+    """
+    if isinstance(tensor, np.ndarray):
+        return _numpy_buf(tensor, writable, who)
+    if is_torch_tensor(tensor):
+        return _torch_buf(tensor, writable, who)
+    raise TypeError(
+        f"{who}: expected a numpy.ndarray or a torch.Tensor, got {type(tensor).__module__}."
+        f"{type(tensor).__qualname__}; wrap the data first, e.g. numpy.asarray(x)"
+    )
+
+
+def _numpy_buf(arr: np.ndarray, writable: bool, who: str) -> Buf:
+    if arr.dtype.hasobject:
+        raise TypeError(f"{who}: numpy arrays of dtype {arr.dtype} hold Python objects and cannot be "
+                        "sent; use send_object_list / broadcast_object_list for objects")
+    if writable and not arr.flags.writeable:
+        raise DistError(f"{who}: the receive buffer is read-only; pass a writable array "
+                        "(numpy.array(x) makes one)")
+    dtype = arr.dtype.name
+    if not arr.flags.c_contiguous:
+        work = np.ascontiguousarray(arr)
+        finish = (lambda: np.copyto(arr, work)) if writable else None
+        return Buf(work, work.ctypes.data, work.nbytes, dtype, arr.shape, arr, finish)
+    if arr.nbytes == 0:
+        return Buf(arr, 0, 0, dtype, arr.shape, arr)
+    addr, nbytes = _core.buffer_address(arr, writable)
+    return Buf(arr, addr, nbytes, dtype, arr.shape, arr)
+
+
+def _torch_buf(t, writable: bool, who: str) -> Buf:
+    if t.device.type != "cpu":
+        raise DistError(f"{who}: tensor is on {t.device}; shmdist moves CPU tensors only, "
+                        "call .cpu() first")
+    if t.layout != _torch().strided:
+        raise DistError(f"{who}: tensor layout {t.layout} is not supported; send a dense "
+                        "tensor (.to_dense())")
+    dtype = torch_dtype_name(t.dtype)
+    shape = tuple(t.shape)
+    if not t.is_contiguous():
+        work = t.contiguous()
+        finish = (lambda: t.copy_(work)) if writable else None
+        return Buf(work, work.data_ptr(), work.numel() * work.element_size(), dtype, shape, t, finish)
+    return Buf(t, t.data_ptr(), t.numel() * t.element_size(), dtype, shape, t)
+
+
