@@ -11,6 +11,12 @@ from shmdist.group import (P2POp, ProcessGroup, batch_isend_irecv, destroy_proce
                            get_rank, get_world_size, init_process_group, irecv, is_initialized, isend,
                            memory_usage, new_group, recv, send)
 from shmdist.request import DistributedRequest
+from shmdist.reduce_ops import ReduceOp
+from shmdist.collective_api import (all_gather, all_gather_into_tensor, all_gather_object, all_reduce,
+                                    all_to_all, all_to_all_single, barrier, broadcast,
+                                    broadcast_object_list, gather, gather_object, recv_object_list,
+                                    reduce, reduce_scatter, reduce_scatter_tensor, scatter,
+                                    scatter_object_list, send_object_list)
 
 __version__ = "0.1.0"
 
@@ -18,5 +24,9 @@ __all__ = [
     "DistError", "DistMismatchError", "DistNotInitializedError", "DistPeerError", "DistTimeoutError",
     "DistributedRequest", "P2POp", "ProcessGroup", "batch_isend_irecv", "destroy_process_group",
     "get_backend", "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized",
-    "isend", "memory_usage", "new_group", "recv", "send",
+    "isend", "memory_usage", "new_group", "recv", "send", "ReduceOp",
+    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
+    "recv_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+    "scatter_object_list", "send_object_list",
 ]

@@ -283,3 +283,65 @@ cdef class Ring:
 def record_bytes(size_t nbytes):
     """Bytes one message of ``nbytes`` payload occupies in a ring."""
     return _HDR + ((nbytes + 63) & ~63)
+
+
+# ---------------------------------------------------------------- phases
+
+cdef inline int _all_reached(const uint8_t *flags, size_t stride, int n, uint64_t target) noexcept nogil:
+    cdef int i
+    for i in range(n):
+        if sd_load64(<const uint64_t *>(flags + i * stride)) < target:
+            return 0
+    return 1
+
+
+def arrive(size_t flag, uint64_t value, uint64_t[::1] ctls):
+    """Publish ``value`` in this rank's phase flag, then wake those of
+    ``ctls`` (the other members' control blocks) that sleep."""
+    cdef Py_ssize_t i
+    cdef uint32_t *sleeping
+    sd_store64(<uint64_t *>flag, value)
+    sd_fence()
+    for i in range(ctls.shape[0]):
+        if sd_load32(_u32(<size_t>ctls[i] + _SLEEPING)):
+            sd_add32(_u32(<size_t>ctls[i] + _BELL), 1)
+            sd_futex_wake(_u32(<size_t>ctls[i] + _BELL), 0x7fffffff)
+
+
+def wait_phase(size_t flags, size_t stride, int n, uint64_t target, size_t ctl,
+               long spin, long yields, double timeout):
+    """Wait until each of the ``n`` phase flags (``stride`` bytes apart from
+    ``flags``) is at least ``target``. Spins, yields, then sleeps on this
+    process's doorbell for at most ``timeout`` seconds. True when reached."""
+    cdef const uint8_t *f = <const uint8_t *>flags
+    cdef uint32_t *bell = _u32(ctl + _BELL)
+    cdef uint32_t *sleeping = _u32(ctl + _SLEEPING)
+    cdef long i
+    cdef long ns = <long>(timeout * 1e9)
+    cdef uint32_t seen
+    cdef int done = 0
+    with nogil:
+        for i in range(spin):
+            if _all_reached(f, stride, n, target):
+                done = 1
+                break
+            sd_relax()
+        if not done:
+            for i in range(yields):
+                if _all_reached(f, stride, n, target):
+                    done = 1
+                    break
+                sd_yield()
+        if not done and ns > 0:
+            sd_add32(sleeping, 1)
+            seen = sd_load32(bell)
+            if not _all_reached(f, stride, n, target):
+                sd_futex_wait(bell, seen, ns)
+            sd_add32(sleeping, -1)
+        if not done:
+            done = _all_reached(f, stride, n, target)
+    return done != 0
+
+
+def load_u64(size_t addr):
+    return sd_load64(<const uint64_t *>addr)

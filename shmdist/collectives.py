@@ -1,5 +1,346 @@
-"""Collectives computed in shared memory (work in progress)."""
+"""Collectives computed in a group's shared arena, not as loops of send/recv.
+
+Each group has one arena segment: a control slot per member (its phase
+counter and the descriptors of its last two calls) and, per member, two
+data buffers of ``slot`` bytes. A collective is a sequence of rounds; in
+each round a member writes into its own buffer, then all members pass a
+phase (each publishes its phase counter and waits until every member's
+counter reached it), then each reads what it needs from the others'
+buffers. Rounds alternate between the two buffers, so a member may refill
+its buffer for round r+2 only after everyone passed round r+1, which means
+everyone has finished reading round r: one phase per round, no extra
+barrier, and consecutive collectives pipeline.
+
+The first phase of every call also checks the call itself: each member
+wrote a descriptor (which collective, sizes, dtype, op, root) before it
+arrived, and after the phase every member compares all descriptors, so a
+mismatch raises the same error on every rank instead of hanging or
+computing garbage, and the group stays usable.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+
+import numpy as np
+
+from shmdist import _core, segment
+from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
+from shmdist.reduce_ops import ReduceOp, reduce_into
+
+CTL_STRIDE = 256                      # per member: phase u64 at 0, descriptors at 64 and 128
+_DESC = struct.Struct("<QQQqq16sQ")   # call number, kind, bytes, op, root, dtype, extra
+KINDS = ("barrier", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
+         "reduce_scatter", "all_to_all")
+DEFAULT_SLOT_BYTES = 1 << 20          # per member and buffer; two buffers each
+SLOT_ENV = "SHMDIST_ARENA_BYTES"
+SMALL_ALLREDUCE = 64 << 10            # up to this, every rank reduces the whole vector itself
+LIVENESS_PERIOD = 0.2
 
 
-def open_group(world, group):
-    return None
+def slot_bytes() -> int:
+    raw = os.environ.get(SLOT_ENV)
+    value = int(raw, 0) if raw else DEFAULT_SLOT_BYTES
+    if value < 4096 or value % 4096:
+        raise ValueError(f"{SLOT_ENV}={raw}: must be a multiple of 4096")
+    return value
+
+
+def _align(n: int, a: int = 4096) -> int:
+    return (n + a - 1) // a * a
+
+
+def _parts(count: int, n: int) -> list[tuple[int, int]]:
+    """Split ``count`` elements into n contiguous (start, length) parts."""
+    base, rem = divmod(count, n)
+    out, start = [], 0
+    for j in range(n):
+        length = base + (j < rem)
+        out.append((start, length))
+        start += length
+    return out
+
+
+def open_group(world, group) -> "GroupComm":
+    """Create (lowest member) or attach the group's arena. Members only."""
+    n = group.size()
+    slot = slot_bytes()
+    ctl_at = segment.HEADER_BYTES
+    data_at = _align(ctl_at + n * CTL_STRIDE)
+    size = data_at + 2 * n * slot
+    who = f"rank {world.rank}: new_group"
+    key = f"arena/{group.gid}"
+    creator = world.rank == group.ranks[0]
+    seg = segment.share(world.store, key, n, creator, size if creator else 0, who, world.timeout,
+                        init=lambda s: struct.pack_into("<Q", s.mm, 64, slot))
+    return GroupComm(world, group, seg)
+
+
+class GroupComm:
+    def __init__(self, world, group, seg):
+        self.world, self.group, self.seg = world, group, seg
+        self.n = group.size()
+        self.me = group.rank()
+        self.rank = world.rank
+        (self.slot,) = struct.unpack_from("<Q", seg.mm, 64)
+        base = seg.addr
+        self.ctl = [base + segment.HEADER_BYTES + i * CTL_STRIDE for i in range(self.n)]
+        data_at = _align(segment.HEADER_BYTES + self.n * CTL_STRIDE)
+        self.buffers = [[base + data_at + (2 * i + b) * self.slot for b in (0, 1)] for i in range(self.n)]
+        host = world.host
+        self.my_bell = host.my_ctl
+        self.others = np.array([host.ctls[r] for r in group.ranks if r != world.rank], dtype=np.uint64)
+        self.phase = 0
+        self.calls = 0
+        self.broken: str | None = None
+        self.lock = threading.Lock()
+        engine = world.engine
+        self.spin, self.yields = engine.spin, engine.yields
+
+    def arena_bytes(self) -> int:
+        return self.seg.size
+
+    def close(self) -> None:
+        self.seg.close()
+
+    # ------------------------------------------------------------ phases
+
+    def _buf(self, member: int, parity: int) -> int:
+        return self.buffers[member][parity]
+
+    def _pass(self, what: str, timeout: float) -> None:
+        """Arrive at the next phase and wait for every member."""
+        self.phase += 1
+        target = self.phase
+        _core.arrive(self.ctl[self.me], target, self.others)
+        if _core.wait_phase(self.ctl[0], CTL_STRIDE, self.n, target, self.my_bell,
+                            self.spin, self.yields, 0.0):
+            return
+        start = time.monotonic()
+        deadline = start + timeout
+        while not _core.wait_phase(self.ctl[0], CTL_STRIDE, self.n, target, self.my_bell, 0, 0,
+                                   min(LIVENESS_PERIOD, max(0.0, deadline - time.monotonic()))):
+            late = [i for i in range(self.n) if _core.load_u64(self.ctl[i]) < target]
+            for i in late:
+                why = self.world.engine.peer_gone(self.group.ranks[i])
+                if why:
+                    self.broken = f"rank {self.group.ranks[i]} {why} during {what}"
+                    raise DistPeerError(
+                        f"rank {self.rank}: {what}: rank {self.group.ranks[i]} {why} before the "
+                        "collective finished; the group cannot continue, restart the job")
+            if time.monotonic() >= deadline:
+                waiting = ", ".join(str(self.group.ranks[i]) for i in late)
+                self.broken = f"{what} timed out"
+                raise DistTimeoutError(
+                    f"rank {self.rank}: {what} timed out after {timeout:g} s waiting for rank(s) "
+                    f"{waiting} of group {list(self.group.ranks)}; they have not called it. This "
+                    "group can no longer run collectives: destroy it (or the job) and start again")
+
+    def _first_pass(self, what: str, desc: tuple, timeout: float) -> None:
+        """The first phase of a call: publish the descriptor, pass, compare."""
+        if self.broken:
+            raise DistError(f"rank {self.rank}: {what}: group {list(self.group.ranks)} is unusable "
+                            f"since {self.broken}; destroy it and create a new one")
+        parity = self.calls % 2
+        self.calls += 1
+        kind, nbytes, op, root, dtype, extra = desc
+        root = self.group.ranks[root] if root >= 0 else -1
+        _DESC.pack_into(self.seg.mm, self._desc_at(self.me, parity), self.calls, KINDS.index(kind),
+                        nbytes, op, root, dtype.encode(), extra)
+        self._pass(what, timeout)
+        descs = [self._read_desc(i, parity) for i in range(self.n)]
+        if any(d != descs[0] for d in descs):
+            calls = "; ".join(f"rank {self.group.ranks[i]} called {_describe(d)}" for i, d in enumerate(descs))
+            raise DistMismatchError(
+                f"rank {self.rank}: {what}: the ranks of group {list(self.group.ranks)} disagree on "
+                f"collective #{self.calls}: {calls}. Every rank of a group must call the same "
+                "collectives in the same order, with the same sizes, dtypes, ops and roots")
+
+    def _desc_at(self, member: int, parity: int) -> int:
+        return self.ctl[member] - self.seg.addr + 64 + 64 * parity
+
+    def _read_desc(self, member: int, parity: int) -> tuple:
+        return _DESC.unpack_from(self.seg.mm, self._desc_at(member, parity))
+
+    def _view(self, addr: int, count: int, dtype) -> np.ndarray:
+        off = addr - self.seg.addr
+        return self.seg.array[off:off + count * dtype.itemsize].view(dtype)
+
+    # ------------------------------------------------------------ collectives
+
+    def barrier(self, timeout: float) -> None:
+        self._first_pass("barrier", ("barrier", 0, 0, 0, "", 0), timeout)
+
+    def barrier_as(self, kind: str, dtype: str, timeout: float) -> None:
+        """Only the call check, for a collective whose data moves elsewhere."""
+        self._first_pass(f"{kind} (uneven)", (kind, 0, 0, -1, dtype, 1), timeout)
+
+    def broadcast(self, buf, root: int, timeout: float) -> None:
+        """Root streams through its buffers; the others copy out."""
+        what = f"broadcast(src={self.group.ranks[root]}, {buf.describe()})"
+        total, chunk = buf.nbytes, self.slot
+        rounds = max(1, -(-total // chunk))
+        for r in range(rounds):
+            at, size = r * chunk, min(chunk, total - r * chunk)
+            b = self.phase % 2
+            if self.me == root:
+                _core.copy(self._buf(root, b), buf.addr + at, size)
+            if r == 0:
+                self._first_pass(what, ("broadcast", total, 0, root, buf.dtype, 0), timeout)
+            else:
+                self._pass(what, timeout)
+            if self.me != root:
+                _core.copy(buf.addr + at, self._buf(root, b), size)
+
+    def all_reduce(self, buf, arr: np.ndarray, op: ReduceOp, timeout: float, root: int = -1) -> None:
+        """Every rank (or only ``root``, for reduce) ends with the reduction.
+
+        Small: each rank copies its vector in and reduces all of them itself.
+        Large: rank i reduces the i-th part of each chunk into its buffer of
+        the next round (reduce-scatter), and everyone copies the reduced
+        parts out one round later (all-gather), so the two stages of
+        consecutive chunks share a phase.
+        """
+        kind = "all_reduce" if root < 0 else "reduce"
+        what = f"{kind}({op.name}, {buf.describe()})" if root < 0 else \
+            f"reduce({op.name}, dst={self.group.ranks[root]}, {buf.describe()})"
+        desc = (kind, buf.nbytes, int(op), root, buf.dtype, 0)
+        n, me, dtype = self.n, self.me, arr.dtype
+        isz = dtype.itemsize
+        count = arr.size
+        if buf.nbytes <= min(SMALL_ALLREDUCE, self.slot):
+            b = self.phase % 2
+            _core.copy(self._buf(me, b), buf.addr, buf.nbytes)
+            self._first_pass(what, desc, timeout)
+            if root < 0 or root == me:
+                inputs = [self._view(self._buf(j, b), count, dtype) for j in range(n)]
+                reduce_into(arr, inputs, op, buf.dtype, n)
+            return
+        per_round = (self.slot // isz) * n // (n + 1)
+        rounds = -(-count // per_round)
+        parts = None
+        for r in range(rounds + 1):
+            b = self.phase % 2
+            if r < rounds:
+                lo = r * per_round
+                parts = _parts(min(per_round, count - lo), n)
+                for j, (s, length) in enumerate(parts):
+                    if j != me and length:
+                        _core.copy(self._buf(me, b) + s * isz, buf.addr + (lo + s) * isz, length * isz)
+            if r == 0:
+                self._first_pass(what, desc, timeout)
+            else:
+                self._pass(what, timeout)
+            if r >= 1 and (root < 0 or root == me):        # gather the parts of chunk r-1
+                plo = (r - 1) * per_round
+                for j, (s, length) in enumerate(prev_parts):
+                    if length:
+                        _core.copy(buf.addr + (plo + s) * isz, self._buf(j, b) + per_round * isz,
+                                   length * isz)
+            if r < rounds:                                  # reduce my part of chunk r
+                s, length = parts[me]
+                if length:
+                    inputs = [arr[lo + s:lo + s + length] if j == me else
+                              self._view(self._buf(j, b) + s * isz, length, dtype) for j in range(n)]
+                    out = self._view(self._buf(me, 1 - b) + per_round * isz, length, dtype)
+                    reduce_into(out, inputs, op, buf.dtype, n)
+                prev_parts = parts
+
+    def all_gather(self, outs: list, buf, root: int, timeout: float) -> None:
+        """Each rank's input lands in every rank's ``outs`` (or only root's, for gather)."""
+        kind = "all_gather" if root < 0 else "gather"
+        what = f"{kind}({buf.describe()})" if root < 0 else \
+            f"gather(dst={self.group.ranks[root]}, {buf.describe()})"
+        total, chunk = buf.nbytes, self.slot
+        rounds = max(1, -(-total // chunk))
+        for r in range(rounds):
+            at, size = r * chunk, min(chunk, total - r * chunk)
+            b = self.phase % 2
+            _core.copy(self._buf(self.me, b), buf.addr + at, size)
+            if r == 0:
+                self._first_pass(what, (kind, total, 0, root, buf.dtype, 0), timeout)
+            else:
+                self._pass(what, timeout)
+            if root < 0 or root == self.me:
+                for j, out in enumerate(outs):
+                    _core.copy(out + at, self._buf(j, b), size)
+
+    def scatter(self, ins: list, buf, root: int, timeout: float) -> None:
+        """Root's j-th input lands in rank j's ``buf``."""
+        what = f"scatter(src={self.group.ranks[root]}, {buf.describe()})"
+        n = self.n
+        total = buf.nbytes
+        chunk = self.slot // n // 64 * 64
+        rounds = max(1, -(-total // chunk))
+        for r in range(rounds):
+            at, size = r * chunk, min(chunk, total - r * chunk)
+            b = self.phase % 2
+            if self.me == root:
+                for j, src in enumerate(ins):
+                    _core.copy(self._buf(root, b) + j * chunk, src + at, size)
+            if r == 0:
+                self._first_pass(what, ("scatter", total, 0, root, buf.dtype, 0), timeout)
+            else:
+                self._pass(what, timeout)
+            _core.copy(buf.addr + at, self._buf(root, b) + self.me * chunk, size)
+
+    def reduce_scatter(self, out_buf, out_arr: np.ndarray, ins: list, in_arrs: list, op: ReduceOp,
+                       timeout: float) -> None:
+        """Rank i ends with the reduction over ranks of everyone's i-th input."""
+        what = f"reduce_scatter({op.name}, {out_buf.describe()} per rank)"
+        n, me, dtype = self.n, self.me, out_arr.dtype
+        isz = dtype.itemsize
+        count = out_arr.size
+        per_round = max(1, self.slot // n // isz)
+        rounds = max(1, -(-count // per_round))
+        for r in range(rounds):
+            lo = r * per_round
+            length = min(per_round, count - lo)
+            b = self.phase % 2
+            for j, src in enumerate(ins):
+                if j != me and length:
+                    _core.copy(self._buf(me, b) + j * per_round * isz, src + lo * isz, length * isz)
+            if r == 0:
+                self._first_pass(what, ("reduce_scatter", out_buf.nbytes, int(op), -1, out_buf.dtype, 0),
+                                 timeout)
+            else:
+                self._pass(what, timeout)
+            if length:
+                inputs = [in_arrs[me][lo:lo + length] if j == me else
+                          self._view(self._buf(j, b) + me * per_round * isz, length, dtype) for j in range(n)]
+                reduce_into(out_arr[lo:lo + length], inputs, op, out_buf.dtype, n)
+
+    def all_to_all(self, outs: list, ins: list, piece: int, dtype: str, timeout: float) -> None:
+        """Rank j's i-th input lands in rank i's j-th output (equal pieces)."""
+        what = f"all_to_all({piece} bytes per pair)"
+        n, me = self.n, self.me
+        chunk = self.slot // n // 64 * 64
+        rounds = max(1, -(-piece // chunk))
+        for r in range(rounds):
+            at, size = r * chunk, min(chunk, piece - r * chunk)
+            b = self.phase % 2
+            for j, src in enumerate(ins):
+                if j != me:
+                    _core.copy(self._buf(me, b) + j * chunk, src + at, size)
+            if r == 0:
+                self._first_pass(what, ("all_to_all", piece, 0, -1, dtype, 0), timeout)
+            else:
+                self._pass(what, timeout)
+            for j, dst in enumerate(outs):
+                src = ins[me] + at if j == me else self._buf(j, b) + me * chunk
+                _core.copy(dst + at, src, size)
+
+
+def _describe(d: tuple) -> str:
+    _, kind, nbytes, op, root, dtype, _ = d
+    name = KINDS[kind] if kind < len(KINDS) else f"collective kind {kind}"
+    args = []
+    if name in ("all_reduce", "reduce", "reduce_scatter"):
+        args.append(ReduceOp(op).name if 0 <= op < len(ReduceOp) else str(op))
+    if root >= 0:
+        args.append(f"root={root}")
+    if name != "barrier":
+        args.append(f"{nbytes} bytes of {dtype.rstrip(bytes(1)).decode()}")
+    return f"{name}({', '.join(args)})"

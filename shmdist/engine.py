@@ -35,6 +35,7 @@ VERSION = 1
 HDR = struct.Struct("<IHHqqiiQ16s8q8x")
 assert HDR.size == _core.HEADER_BYTES
 LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
+COLLECTIVE_GID = 1 << 40  # group ids at and above it carry collectives' own messages
 
 
 def make_header(tag: int, gid: int, src: int, buf) -> bytes:

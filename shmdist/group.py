@@ -11,7 +11,7 @@ import json
 import os
 import threading
 
-from shmdist import rendezvous
+from shmdist import collectives, rendezvous
 from shmdist.engine import Engine
 from shmdist.errors import DistError, DistMismatchError, DistNotInitializedError
 from shmdist.request import DistributedRequest
@@ -194,6 +194,7 @@ def _setup(w: World) -> None:
                       {r: c for r, c in w.host.ctls.items() if r != w.rank}, oversubscribed)
     w.default = ProcessGroup(w, 0, tuple(range(w.world_size)), w.timeout)
     w.groups.append(w.default)
+    w.default.coll = collectives.open_group(w, w.default)
     w.barrier("init")
 
 
@@ -260,7 +261,6 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
     g = ProcessGroup(w, gid, members, _seconds(timeout) if timeout is not None else w.timeout)
     sig = hashlib.sha1(repr(members).encode()).hexdigest()[:12]
     w.store.add(f"group/{gid}/sig/{sig}", 1)
-    from shmdist import collectives
     if g.is_member:
         g.coll = collectives.open_group(w, g)
     w.barrier(f"group/{gid}")

@@ -106,3 +106,19 @@ def _torch_buf(t, writable: bool, who: str) -> Buf:
     return Buf(t, t.data_ptr(), t.numel() * t.element_size(), dtype, shape, t)
 
 
+
+
+def typed_view(buf: Buf) -> np.ndarray | None:
+    """The buffer's memory as a flat numpy array of its element type
+    (bfloat16 as its uint16 bits), or None when numpy has no such type."""
+    obj = buf.obj
+    if isinstance(obj, np.ndarray):
+        return obj.reshape(-1)
+    torch = _torch()
+    flat = obj.reshape(-1)
+    if flat.dtype == torch.bfloat16:
+        return flat.view(torch.int16).numpy().view(np.uint16)
+    try:
+        return flat.numpy()
+    except (TypeError, RuntimeError):
+        return None

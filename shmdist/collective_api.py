@@ -1,0 +1,449 @@
+"""The collective calls of the torch.distributed surface: argument checks,
+tensors, async handles. The algorithms live in collectives.py.
+
+A rank that is not a member of ``group`` and calls a collective on it gets
+a warning and the call does nothing, as in torch.distributed (scripts call
+collectives on every rank and rely on it). With ``async_op=True`` the call
+returns a completed DistributedRequest: collectives run to completion when
+called (they move data through shared memory, so there is nothing left to
+overlap with), and ``wait()`` returns at once.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+
+import numpy as np
+
+from shmdist import group as _g
+from shmdist.errors import DistError, DistMismatchError
+from shmdist.reduce_ops import ReduceOp, as_op, check
+from shmdist.request import completed
+from shmdist import _core
+from shmdist.engine import COLLECTIVE_GID
+from shmdist.request import DistributedRequest
+from shmdist.tensors import as_buf, describe, typed_view
+
+
+def _enter(op: str, group):
+    """(world, group, comm) for a member; (world, group, None) for a non-member."""
+    w, g = _g._group(group, op)
+    if not g.is_member:
+        warnings.warn(f"rank {w.rank}: {op}: this rank is not a member of group {list(g.ranks)}; "
+                      "the call does nothing (as in torch.distributed)", stacklevel=3)
+        return w, g, None
+    return w, g, g.coll
+
+
+def _root(w, g, rank, op: str, what: str) -> int:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank not in g.ranks:
+        where = "the job" if g is w.default else f"group {list(g.ranks)}"
+        raise DistError(f"rank {w.rank}: {op}: {what}={rank!r} is not a rank of {where}; pass the "
+                        "global rank of a member")
+    return g.group_rank(rank)
+
+
+def _done(op, async_op, tensors, bufs=()):
+    for b in bufs:
+        if b.finish is not None:
+            b.finish()
+    return completed(op, tensors) if async_op else None
+
+
+def _reducible(buf, op, who):
+    arr = typed_view(buf)
+    check(op, buf.dtype, None if arr is None else arr.dtype.kind, who)
+    return arr
+
+
+def _same(w, op, bufs, ref, what):
+    for i, b in enumerate(bufs):
+        if b.nbytes != ref.nbytes or b.dtype != ref.dtype:
+            raise DistMismatchError(f"rank {w.rank}: {op}: {what}[{i}] is {b.describe()} but the input "
+                                    f"is {ref.describe()}; every piece must match the input's size and dtype")
+
+
+def _list(w, op, tensors, n, what):
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != n:
+        got = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+        raise DistError(f"rank {w.rank}: {op}: {what} must be a list of {n} tensors (one per rank of the "
+                        f"group), got {got}")
+    return tensors
+
+
+# ---------------------------------------------------------------- tensor collectives
+
+def barrier(group=None, async_op=False, device_ids=None):
+    """Return when every rank of the group has called barrier."""
+    w, g, comm = _enter("barrier", group)
+    if comm is None:
+        return None
+    with comm.lock:
+        comm.barrier(g.timeout)
+    return _done("barrier", async_op, [])
+
+
+def broadcast(tensor, src: int, group=None, async_op=False):
+    """Copy ``tensor`` of global rank ``src`` into ``tensor`` of every rank."""
+    w, g, comm = _enter("broadcast", group)
+    if comm is None:
+        return None
+    root = _root(w, g, src, "broadcast", "src")
+    buf = as_buf(tensor, writable=root != g.rank(), who=f"rank {w.rank}: broadcast")
+    with comm.lock:
+        comm.broadcast(buf, root, g.timeout)
+    return _done("broadcast", async_op, [tensor], [buf])
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    """Reduce ``tensor`` across the group; every rank ends with the result, in place."""
+    w, g, comm = _enter("all_reduce", group)
+    if comm is None:
+        return None
+    who = f"rank {w.rank}: all_reduce"
+    op = as_op(op, who)
+    buf = as_buf(tensor, writable=True, who=who)
+    arr = _reducible(buf, op, who)
+    with comm.lock:
+        comm.all_reduce(buf, arr, op, g.timeout)
+    return _done("all_reduce", async_op, [tensor], [buf])
+
+
+def reduce(tensor, dst: int, op=ReduceOp.SUM, group=None, async_op=False):
+    """Reduce ``tensor`` across the group into ``tensor`` of global rank ``dst``."""
+    w, g, comm = _enter("reduce", group)
+    if comm is None:
+        return None
+    who = f"rank {w.rank}: reduce"
+    root = _root(w, g, dst, "reduce", "dst")
+    op = as_op(op, who)
+    buf = as_buf(tensor, writable=True, who=who)
+    arr = _reducible(buf, op, who)
+    with comm.lock:
+        comm.all_reduce(buf, arr, op, g.timeout, root=root)
+    return _done("reduce", async_op, [tensor], [buf] if root == g.rank() else ())
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    """``tensor_list[j]`` of every rank receives ``tensor`` of group rank j."""
+    w, g, comm = _enter("all_gather", group)
+    if comm is None:
+        return None
+    who = f"rank {w.rank}: all_gather"
+    buf = as_buf(tensor, writable=False, who=who)
+    outs = [as_buf(t, writable=True, who=who) for t in _list(w, "all_gather", tensor_list, g.size(), "tensor_list")]
+    _same(w, "all_gather", outs, buf, "tensor_list")
+    with comm.lock:
+        comm.all_gather([o.addr for o in outs], buf, -1, g.timeout)
+    return _done("all_gather", async_op, list(tensor_list), outs)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    """``output_tensor`` (size x group size, concatenated in rank order) gets every input."""
+    w, g, comm = _enter("all_gather_into_tensor", group)
+    if comm is None:
+        return None
+    who = f"rank {w.rank}: all_gather_into_tensor"
+    buf = as_buf(input_tensor, writable=False, who=who)
+    out = as_buf(output_tensor, writable=True, who=who)
+    _split_check(w, who, out, buf, g.size(), "output_tensor")
+    with comm.lock:
+        comm.all_gather([out.addr + j * buf.nbytes for j in range(g.size())], buf, -1, g.timeout)
+    return _done("all_gather_into_tensor", async_op, [output_tensor], [out])
+
+
+def _split_check(w, who, whole, piece, n, what):
+    if whole.dtype != piece.dtype or whole.nbytes != piece.nbytes * n:
+        raise DistMismatchError(f"{who}: {what} is {whole.describe()} but must hold {n} pieces of "
+                                f"{piece.describe()} ({piece.nbytes * n} bytes of {piece.dtype})")
+
+
+def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op=False):
+    """``gather_list`` of global rank ``dst`` receives every rank's ``tensor``."""
+    w, g, comm = _enter("gather", group)
+    if comm is None:
+        return None
+    who = f"rank {w.rank}: gather"
+    root = _root(w, g, dst, "gather", "dst")
+    buf = as_buf(tensor, writable=False, who=who)
+    outs = []
+    if root == g.rank():
+        outs = [as_buf(t, writable=True, who=who) for t in _list(w, "gather", gather_list, g.size(), "gather_list")]
+        _same(w, "gather", outs, buf, "gather_list")
+    elif gather_list:
+        raise DistError(f"{who}: gather_list is only for the destination rank {dst}; pass None here")
+    with comm.lock:
+        comm.all_gather([o.addr for o in outs], buf, root, g.timeout)
+    return _done("gather", async_op, list(gather_list or []), outs)
+
+
+def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op=False):
+    """``tensor`` of group rank j receives ``scatter_list[j]`` of global rank ``src``."""
+    w, g, comm = _enter("scatter", group)
+    if comm is None:
+        return None
+    who = f"rank {w.rank}: scatter"
+    root = _root(w, g, src, "scatter", "src")
+    buf = as_buf(tensor, writable=True, who=who)
+    ins = []
+    if root == g.rank():
+        ins = [as_buf(t, writable=False, who=who) for t in _list(w, "scatter", scatter_list, g.size(), "scatter_list")]
+        _same(w, "scatter", ins, buf, "scatter_list")
+    elif scatter_list:
+        raise DistError(f"{who}: scatter_list is only for the source rank {src}; pass None here")
+    with comm.lock:
+        comm.scatter([i.addr for i in ins], buf, root, g.timeout)
+    return _done("scatter", async_op, [tensor], [buf])
+
+
+def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+    """``output`` of group rank i gets the reduction of every rank's ``input_list[i]``."""
+    w, g, comm = _enter("reduce_scatter", group)
+    if comm is None:
+        return None
+    who = f"rank {w.rank}: reduce_scatter"
+    op = as_op(op, who)
+    out = as_buf(output, writable=True, who=who)
+    ins = [as_buf(t, writable=False, who=who) for t in _list(w, "reduce_scatter", input_list, g.size(), "input_list")]
+    _same(w, "reduce_scatter", ins, out, "input_list")
+    out_arr = _reducible(out, op, who)
+    in_arrs = [typed_view(b) for b in ins]
+    with comm.lock:
+        comm.reduce_scatter(out, out_arr, [b.addr for b in ins], in_arrs, op, g.timeout)
+    return _done("reduce_scatter", async_op, [output], [out])
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    """As reduce_scatter, with the inputs concatenated in one tensor."""
+    w, g, comm = _enter("reduce_scatter_tensor", group)
+    if comm is None:
+        return None
+    who = f"rank {w.rank}: reduce_scatter_tensor"
+    op = as_op(op, who)
+    out = as_buf(output, writable=True, who=who)
+    inp = as_buf(input, writable=False, who=who)
+    _split_check(w, who, inp, out, g.size(), "input")
+    out_arr = _reducible(out, op, who)
+    whole = typed_view(inp)
+    k = out_arr.size
+    with comm.lock:
+        comm.reduce_scatter(out, out_arr, [inp.addr + j * out.nbytes for j in range(g.size())],
+                            [whole[j * k:(j + 1) * k] for j in range(g.size())], op, g.timeout)
+    return _done("reduce_scatter_tensor", async_op, [output], [out])
+
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    """``output_tensor_list[j]`` of rank i receives ``input_tensor_list[i]`` of rank j."""
+    w, g, comm = _enter("all_to_all", group)
+    if comm is None:
+        return None
+    who = f"rank {w.rank}: all_to_all"
+    n = g.size()
+    outs = [as_buf(t, writable=True, who=who) for t in _list(w, "all_to_all", output_tensor_list, n, "output_tensor_list")]
+    ins = [as_buf(t, writable=False, who=who) for t in _list(w, "all_to_all", input_tensor_list, n, "input_tensor_list")]
+    _exchange(w, g, comm, who, outs, ins)
+    return _done("all_to_all", async_op, list(output_tensor_list), outs)
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                      async_op=False):
+    """all_to_all on one tensor each, split along dim 0 (evenly, or by the split sizes)."""
+    w, g, comm = _enter("all_to_all_single", group)
+    if comm is None:
+        return None
+    who = f"rank {w.rank}: all_to_all_single"
+    n = g.size()
+    out = as_buf(output, writable=True, who=who)
+    inp = as_buf(input, writable=False, who=who)
+    if out.dtype != inp.dtype:
+        raise DistMismatchError(f"{who}: output is {out.dtype} but input is {inp.dtype}; use one dtype")
+    ins = _splits(w, who, inp, input_split_sizes, n, "input")
+    outs = _splits(w, who, out, output_split_sizes, n, "output")
+    _exchange(w, g, comm, who, outs, ins)
+    return _done("all_to_all_single", async_op, [output], [out])
+
+
+class _Piece:
+    """A slice of a buffer, for all_to_all_single."""
+    __slots__ = ("addr", "nbytes", "dtype", "shape", "finish")
+
+    def __init__(self, addr, nbytes, dtype, shape):
+        self.addr, self.nbytes, self.dtype, self.shape, self.finish = addr, nbytes, dtype, shape, None
+
+    def describe(self):
+        return describe(self.nbytes, self.dtype, self.shape)
+
+
+def _splits(w, who, buf, sizes, n, what):
+    rows = buf.shape[0] if buf.shape else 1
+    row_bytes = buf.nbytes // rows if rows else 0
+    if sizes is None:
+        if rows % n:
+            raise DistError(f"{who}: {what} has {rows} rows, not divisible by the group size {n}; pass "
+                            f"{what}_split_sizes")
+        sizes = [rows // n] * n
+    sizes = list(sizes)
+    if len(sizes) != n or sum(sizes) != rows or any(s < 0 for s in sizes):
+        raise DistError(f"{who}: {what}_split_sizes {sizes} must be {n} non-negative row counts adding up "
+                        f"to {rows}")
+    out, at = [], buf.addr
+    for s in sizes:
+        out.append(_Piece(at, s * row_bytes, buf.dtype, (s,) + tuple(buf.shape[1:])))
+        at += s * row_bytes
+    return out
+
+
+def _exchange(w, g, comm, who, outs, ins):
+    """Equal pieces go through the arena; uneven ones by point-to-point
+    messages between the pairs (sizes are checked by the receives)."""
+    for b in ins + outs:
+        if b.dtype != ins[0].dtype:
+            raise DistMismatchError(f"{who}: every tensor must have one dtype; got {ins[0].dtype} and "
+                                    f"{b.dtype}")
+    piece = ins[0].nbytes
+    even = all(b.nbytes == piece for b in ins + outs)
+    with comm.lock:
+        if even:
+            comm.all_to_all([o.addr for o in outs], [i.addr for i in ins], piece, ins[0].dtype, g.timeout)
+            return
+        comm.barrier_as("all_to_all", ins[0].dtype, g.timeout)
+        _exchange_p2p(w, g, who, outs, ins)
+
+
+def _exchange_p2p(w, g, who, outs, ins):
+    me = g.rank()
+    gid = COLLECTIVE_GID | g.gid
+    reqs = []
+    for j, r in enumerate(g.ranks):
+        if j == me:
+            if outs[j].nbytes != ins[j].nbytes:
+                raise DistMismatchError(f"{who}: this rank sends itself {ins[j].describe()} but expects "
+                                        f"{outs[j].describe()}")
+            _core.copy(outs[j].addr, ins[j].addr, ins[j].nbytes)
+            continue
+        rq = DistributedRequest(w.engine, f"{who.partition(': ')[2]} receive from rank {r}")
+        w.engine.recv(rq, outs[j], r, gid, 0, g.ranks)
+        sq = DistributedRequest(w.engine, f"{who.partition(': ')[2]} send to rank {r}")
+        w.engine.send(sq, ins[j], r, gid, 0)
+        reqs += [rq, sq]
+    for q in reqs:
+        q.wait(g.timeout)
+
+
+# ---------------------------------------------------------------- object collectives
+# These pickle: like torch.distributed, they trust every rank of the group.
+
+def _dumps(obj) -> np.ndarray:
+    f = io.BytesIO()
+    pickle.Pickler(f).dump(obj)
+    return np.frombuffer(f.getbuffer(), dtype=np.uint8).copy()
+
+
+def _loads(data: np.ndarray):
+    return pickle.loads(data.tobytes())
+
+
+def broadcast_object_list(object_list, src: int = 0, group=None, device=None):
+    """Replace ``object_list`` items on every rank by those of global rank ``src``."""
+    w, g, comm = _enter("broadcast_object_list", group)
+    if comm is None:
+        return None
+    me_root = w.rank == src
+    payload = _dumps(list(object_list)) if me_root else None
+    size = np.array([payload.size if me_root else 0], dtype=np.int64)
+    broadcast(size, src, group)
+    data = payload if me_root else np.empty(int(size[0]), dtype=np.uint8)
+    broadcast(data, src, group)
+    if not me_root:
+        objs = _loads(data)
+        if len(objs) != len(object_list):
+            raise DistMismatchError(f"rank {w.rank}: broadcast_object_list: rank {src} sent {len(objs)} "
+                                    f"objects but this rank's list holds {len(object_list)}; pass lists of "
+                                    "the same length")
+        object_list[:] = objs
+    return None
+
+
+def _gather_bytes(op, payload, group, dst):
+    """All (dst None) or one rank gets every rank's pickled bytes."""
+    w, g = _g._group(group, op)
+    n = g.size()
+    sizes = np.zeros(n, dtype=np.int64)
+    all_gather_into_tensor(sizes, np.array([payload.size], dtype=np.int64), group)
+    padded = np.zeros(int(sizes.max()), dtype=np.uint8)
+    padded[:payload.size] = payload
+    out = np.empty(n * padded.size, dtype=np.uint8)
+    if dst is None:
+        all_gather_into_tensor(out, padded, group)
+    else:
+        gather(padded, [out[j * padded.size:(j + 1) * padded.size] for j in range(n)] if w.rank == dst else None,
+               dst, group)
+    return [out[j * padded.size: j * padded.size + sizes[j]] for j in range(n)]
+
+
+def all_gather_object(object_list, obj, group=None):
+    """``object_list[j]`` of every rank becomes the ``obj`` of group rank j."""
+    w, g, comm = _enter("all_gather_object", group)
+    if comm is None:
+        return None
+    _list(w, "all_gather_object", object_list, g.size(), "object_list")
+    for j, data in enumerate(_gather_bytes("all_gather_object", _dumps(obj), group, None)):
+        object_list[j] = _loads(data)
+    return None
+
+
+def gather_object(obj, object_gather_list=None, dst: int = 0, group=None):
+    """``object_gather_list`` of global rank ``dst`` receives every rank's ``obj``."""
+    w, g, comm = _enter("gather_object", group)
+    if comm is None:
+        return None
+    _root(w, g, dst, "gather_object", "dst")
+    if w.rank == dst:
+        _list(w, "gather_object", object_gather_list, g.size(), "object_gather_list")
+    pieces = _gather_bytes("gather_object", _dumps(obj), group, dst)
+    if w.rank == dst:
+        for j, data in enumerate(pieces):
+            object_gather_list[j] = _loads(data)
+    return None
+
+
+def scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src: int = 0,
+                        group=None):
+    """``scatter_object_output_list[0]`` of group rank j becomes item j of ``src``'s input list."""
+    w, g, comm = _enter("scatter_object_list", group)
+    if comm is None:
+        return None
+    _root(w, g, src, "scatter_object_list", "src")
+    if w.rank == src:
+        _list(w, "scatter_object_list", scatter_object_input_list, g.size(), "scatter_object_input_list")
+    if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
+        raise DistError(f"rank {w.rank}: scatter_object_list: scatter_object_output_list must be a "
+                        "non-empty list; its first item receives the object")
+    holder = [list(scatter_object_input_list) if w.rank == src else None]
+    broadcast_object_list(holder, src, group)
+    scatter_object_output_list[0] = holder[0][g.rank()]
+    return None
+
+
+def send_object_list(object_list, dst: int, group=None, device=None):
+    """Send the pickled ``object_list`` to global rank ``dst``."""
+    payload = _dumps(list(object_list))
+    _g.send(np.array([payload.size], dtype=np.int64), dst, group).wait()
+    _g.send(payload, dst, group).wait()
+
+
+def recv_object_list(object_list, src: int | None = None, group=None, device=None):
+    """Fill ``object_list`` with the objects sent by ``src``; returns the sender's rank."""
+    size = np.zeros(1, dtype=np.int64)
+    req = _g.recv(size, src, group)
+    req.wait()
+    data = np.empty(int(size[0]), dtype=np.uint8)
+    _g.recv(data, req.source, group).wait()
+    objs = _loads(data)
+    if len(objs) != len(object_list):
+        w = _g.world("recv_object_list")
+        raise DistMismatchError(f"rank {w.rank}: recv_object_list: rank {req.source} sent {len(objs)} "
+                                f"objects but the list holds {len(object_list)}; pass lists of the same length")
+    object_list[:] = objs
+    return req.source
