@@ -265,16 +265,28 @@ def measure(comm, p: Point, s: dict) -> dict:
                 comm.send(ack, 0)
         return stats(window * p.nbytes / timed(comm, step, s), "B/s")
     if p.kind == "all_reduce":
-        buf = filled(comm, p.nbytes, np.float32, 0)     # sums stay 0: no overflow, no denormals
+        buf = filled(comm, p.nbytes, np.float32)
+        comm.all_reduce(buf)
+        expect(comm, p, buf, comm.size)
+        buf[:] = 0      # sums stay 0 however many iterations run: no overflow, no denormals
         return stats(timed(comm, lambda: comm.all_reduce(buf), s), "s")
     if p.kind == "broadcast":
-        buf = filled(comm, p.nbytes)
+        buf = filled(comm, p.nbytes, value=7 if comm.rank == 0 else 0)
+        comm.broadcast(buf, 0)
+        expect(comm, p, buf, 7)
         return stats(timed(comm, lambda: comm.broadcast(buf, 0), s), "s")
     if p.kind == "barrier":
         return stats(timed(comm, comm.barrier, s), "s")
     if p.kind == "idle":
         return measure_idle(comm, peer, s)
     raise ValueError(f"unknown figure {p.kind!r}")
+
+
+def expect(comm, p: Point, buf, value) -> None:
+    """A collective that computes nothing must not look fast."""
+    if not (buf[0] == value and buf[-1] == value):
+        raise RuntimeError(f"rank {comm.rank}: {p.kind} of {p.nbytes} bytes computed a wrong result "
+                           f"({float(buf[0])}, expected {value})")
 
 
 def measure_idle(comm, peer: int, s: dict) -> dict:

@@ -1,0 +1,41 @@
+"""The benchmark CLI runs end to end (figures are not checked: timing never fails a test)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def shm_entries():
+    return {e for e in os.listdir("/dev/shm") if e.startswith("shmdist")}
+
+
+@pytest.mark.timeout(300)
+def test_bench_quick_prints_a_table_and_writes_json(tmp_path):
+    before = shm_entries()
+    out = tmp_path / "figures.json"
+    run = subprocess.run([sys.executable, "-m", "shmdist.bench", "--quick", "--ranks", "2",
+                          "--backends", "shmdist,gloo,memcpy", "--json", str(out)],
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = run.stdout.splitlines()
+    assert any(line.startswith("| figure | shmdist |") and "shmdist ÷ best peer" in line for line in table)
+    for row in ("p2p one-way latency 8 B", "p2p bandwidth 256 MiB", "all_reduce 4 KiB, 2 ranks",
+                "barrier, 2 ranks", "CPU of a rank blocked 1 s in wait()"):
+        assert any(line.startswith(f"| {row} |") for line in table), row
+    assert "[  1/" in run.stderr        # progress is shown while it runs
+    doc = json.loads(out.read_text())
+    mine = [r for r in doc["results"] if r["backend"] == "shmdist"]
+    assert {r["kind"] for r in mine} == {"latency", "bandwidth", "all_reduce", "broadcast", "barrier", "idle"}
+    for r in mine:
+        assert "failed" not in r, r
+        assert r["value"] >= 0 and r["iters"] >= 1 and r["unit"] in ("s", "B/s", "cpu")
+    assert shm_entries() <= before
+
+
+def test_bench_rejects_unknown_filters():
+    run = subprocess.run([sys.executable, "-m", "shmdist.bench", "--only", "latency,nonsense"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "--only: unknown nonsense" in run.stderr
