@@ -8,7 +8,7 @@ memory alive for as long as an address is in use.
 """
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
 from libc.string cimport memcpy, memset
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_ANY_CONTIGUOUS
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_C_CONTIGUOUS
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from shmdist._core cimport (sd_load64, sd_store64, sd_load32, sd_store32, sd_add32, sd_add64,
                             sd_fence, sd_relax, sd_futex_wait, sd_futex_wake, sd_yield, sd_cma_read)
@@ -31,14 +31,17 @@ cdef inline uint32_t *_u32(size_t addr) noexcept nogil:
 
 
 def buffer_address(obj, bint writable=False):
-    """(address, nbytes) of a contiguous buffer-protocol object (a numpy array).
+    """(address, nbytes) of a C-contiguous buffer-protocol object (a numpy array).
 
-    Raises BufferError when the object is not contiguous or, with
+    Raises BufferError when the object is not C-contiguous or, with
     ``writable``, read-only.
     """
     cdef Py_buffer view
-    cdef int flags = PyBUF_ANY_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
-    PyObject_GetBuffer(obj, &view, flags)
+    cdef int flags = PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
+    try:
+        PyObject_GetBuffer(obj, &view, flags)
+    except ValueError as e:      # numpy says "not C-contiguous" / "read-only" this way
+        raise BufferError(str(e)) from None
     try:
         return <size_t>view.buf, <size_t>view.len
     finally:

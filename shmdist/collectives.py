@@ -218,7 +218,7 @@ class GroupComm:
                 inputs = [self._view(self._buf(j, b), count, dtype) for j in range(n)]
                 reduce_into(arr, inputs, op, buf.dtype, n)
             return
-        per_round = (self.slot // isz) * n // (n + 1)
+        per_round = (self.slot // isz - 1) * n // (n + 1)   # + my reduced part fits the slot
         rounds = -(-count // per_round)
         parts = None
         for r in range(rounds + 1):

@@ -275,10 +275,12 @@ class Engine:
         return gone
 
     def _check_peers(self, req) -> None:
-        gone = [(p, why) for p in getattr(req, "_peers", ()) if p is not None
-                for why in [self.peer_gone(p)] if why]
+        peers = [p for p in req._peers if p is not None]
+        gone = [(p, why) for p in peers for why in [self.peer_gone(p)] if why]
         if not gone:
             return
+        if len(peers) > 1 and len(gone) < len(peers) and all(why != "died" for _, why in gone):
+            return   # any-source: ranks that left cleanly cannot send, but the others still may
         with self.lock:
             self.progress()   # whatever the peer finished before it went still counts
             if req._done:
@@ -292,7 +294,7 @@ class Engine:
     def _time_out(self, req, limit: float) -> None:
         with self.lock:
             cancelled = self._cancel(req, force=False)
-        peers = [p for p in getattr(req, "_peers", ()) if p is not None]
+        peers = [p for p in req._peers if p is not None]
         who = f" with rank {peers[0]}" if len(peers) == 1 else (" with any rank" if peers else "")
         fate = ("it was cancelled" if cancelled else
                 "part of the message already moved, so it stays pending: wait() again to finish it")

@@ -82,9 +82,7 @@ class World:
 
     def barrier(self, name: str) -> None:
         """Store-based barrier of every rank of the world (set-up only)."""
-        if self.store.add(name, 1) == self.world_size:
-            self.store.set(name + "/done", b"1")
-        self.store.get(name + "/done", self.timeout)
+        self.store.arrive(name, self.world_size, self.timeout)
 
     def close(self) -> None:
         if os.getpid() != self.pid:
@@ -263,8 +261,9 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
     w.store.add(f"group/{gid}/sig/{sig}", 1)
     if g.is_member:
         g.coll = collectives.open_group(w, g)
-    w.barrier(f"group/{gid}")
+    w.barrier(f"group/{gid}/made")
     agree = int(w.store.get(f"group/{gid}/sig/{sig}", w.timeout))
+    w.barrier(f"group/{gid}/checked")   # the last store call: rank 0 may leave right after it
     if agree != w.world_size:
         if g.coll is not None:
             g.coll.close()

@@ -23,7 +23,7 @@ from shmdist.errors import DistError, DistTimeoutError
 
 SECRET_ENV = "SHMDIST_SECRET"
 
-_OP_SET, _OP_GET, _OP_ADD, _OP_DEL, _OP_HELLO = range(1, 6)
+_OP_SET, _OP_GET, _OP_ADD, _OP_DEL, _OP_HELLO, _OP_ARRIVE = range(1, 7)
 _OK, _TIMEOUT, _DENIED = range(3)
 _REQ = struct.Struct("<BIQd")   # op, key length, value length, timeout seconds
 _REP = struct.Struct("<BQ")      # status, value length
@@ -47,10 +47,16 @@ def _auth_token(secret: str, nonce: bytes) -> bytes:
 
 
 class _Waiter:
-    __slots__ = ("conn", "key", "deadline")
+    """A GET waiting for a key to exist, or an ARRIVE waiting for a count."""
+    __slots__ = ("conn", "key", "deadline", "count")
 
-    def __init__(self, conn, key, deadline):
-        self.conn, self.key, self.deadline = conn, key, deadline
+    def __init__(self, conn, key, deadline, count=None):
+        self.conn, self.key, self.deadline, self.count = conn, key, deadline, count
+
+    def ready(self, data) -> bool:
+        if self.count is None:
+            return self.key in data
+        return int(data.get(self.key, b"0")) >= self.count
 
 
 class _StoreServer:
@@ -190,6 +196,13 @@ class _StoreServer:
             self.data[key] = str(n).encode()
             self._reply(conn, _OK, self.data[key])
             self._notify(key)
+        elif op == _OP_ARRIVE:
+            # Count this caller in and answer once ``value`` callers arrived. All
+            # answers go out in one pass, so a master that exits right after its
+            # own answer cannot strand the others.
+            self.data[key] = str(int(self.data.get(key, b"0")) + 1).encode()
+            self.waiters.append(_Waiter(conn, key, time.monotonic() + tmo, int(value)))
+            self._notify(key)
         elif op == _OP_DEL:
             self.data.pop(key, None)
             self._reply(conn, _OK)
@@ -199,9 +212,9 @@ class _StoreServer:
         return True
 
     def _notify(self, key):
-        ready = [w for w in self.waiters if w.key == key]
+        ready = [w for w in self.waiters if w.key == key and w.ready(self.data)]
         if ready:
-            self.waiters = [w for w in self.waiters if w.key != key]
+            self.waiters = [w for w in self.waiters if w not in ready]
             for w in ready:
                 self._reply(w.conn, _OK, self.data[key])
 
@@ -318,6 +331,14 @@ class TCPStore:
     def delete(self, key: str) -> None:
         self._request(_OP_DEL, key)
 
+    def arrive(self, key: str, count: int, timeout: float | None = None) -> None:
+        """Barrier: return once ``count`` callers arrived at ``key``."""
+        tmo = self.timeout if timeout is None else timeout
+        status, value = self._request(_OP_ARRIVE, key, str(int(count)).encode(), tmo)
+        if status == _TIMEOUT:
+            raise DistTimeoutError(f"rendezvous: waited {tmo:g} s at barrier '{key}'; a rank has not "
+                                   "arrived")
+
     def close(self) -> None:
         sock = getattr(self, "sock", None)
         if sock is not None:
@@ -425,6 +446,20 @@ class PrefixStore:
 
     def add(self, key, amount):
         return int(self.store.add(self.prefix + key, amount))
+
+    def arrive(self, key, count, timeout=None):
+        arrive(self.store, self.prefix + key, count, timeout)
+
+
+def arrive(store, key: str, count: int, timeout: float | None = None) -> None:
+    """Barrier of ``count`` processes on any store: one request where the store
+    supports it, else add then wait for the last arrival's mark."""
+    if hasattr(store, "arrive"):
+        store.arrive(key, count, timeout)
+        return
+    if int(store.add(key, 1)) == count:
+        store.set(key + "/done", b"1")
+    store.get(key + "/done")
 
 
 def parse_init_method(init_method: str | None, rank: int, world_size: int):

@@ -72,21 +72,30 @@ def as_buf(tensor, *, writable: bool, who: str) -> Buf:
     )
 
 
+_NUMPY_NAMES: dict = {}
+
+
+def _numpy_name(dtype: np.dtype, who: str) -> str:
+    name = _NUMPY_NAMES.get(dtype)
+    if name is None:
+        if dtype.hasobject:
+            raise TypeError(f"{who}: numpy arrays of dtype {dtype} hold Python objects and cannot be "
+                            "sent; use send_object_list / broadcast_object_list for objects")
+        name = _NUMPY_NAMES[dtype] = dtype.name
+    return name
+
+
 def _numpy_buf(arr: np.ndarray, writable: bool, who: str) -> Buf:
-    if arr.dtype.hasobject:
-        raise TypeError(f"{who}: numpy arrays of dtype {arr.dtype} hold Python objects and cannot be "
-                        "sent; use send_object_list / broadcast_object_list for objects")
-    if writable and not arr.flags.writeable:
-        raise DistError(f"{who}: the receive buffer is read-only; pass a writable array "
-                        "(numpy.array(x) makes one)")
-    dtype = arr.dtype.name
-    if not arr.flags.c_contiguous:
-        work = np.ascontiguousarray(arr)
+    dtype = _numpy_name(arr.dtype, who)
+    try:
+        addr, nbytes = _core.buffer_address(arr, writable)
+    except BufferError:
+        if writable and not arr.flags.writeable:
+            raise DistError(f"{who}: the receive buffer is read-only; pass a writable array "
+                            "(numpy.array(x) makes one)") from None
+        work = np.ascontiguousarray(arr)        # not C-contiguous: move a contiguous copy
         finish = (lambda: np.copyto(arr, work)) if writable else None
         return Buf(work, work.ctypes.data, work.nbytes, dtype, arr.shape, arr, finish)
-    if arr.nbytes == 0:
-        return Buf(arr, 0, 0, dtype, arr.shape, arr)
-    addr, nbytes = _core.buffer_address(arr, writable)
     return Buf(arr, addr, nbytes, dtype, arr.shape, arr)
 
 
