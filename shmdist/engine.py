@@ -38,11 +38,22 @@ LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are 
 COLLECTIVE_GID = 1 << 40  # group ids at and above it carry collectives' own messages
 
 
+_headers: dict = {}
+
+
 def make_header(tag: int, gid: int, src: int, buf) -> bytes:
-    shape = tuple(buf.shape)
-    dims = shape if len(shape) <= MAX_DIMS else ()
-    return HDR.pack(MAGIC, VERSION, len(shape), tag, gid, src, 0, buf.nbytes,
-                    buf.dtype.encode(), *dims, *([0] * (MAX_DIMS - len(dims))))
+    """The record header for ``buf``; repeated sends reuse the bytes."""
+    key = (tag, gid, src, buf.dtype, buf.shape)
+    header = _headers.get(key)
+    if header is None:
+        shape = tuple(buf.shape)
+        dims = shape if len(shape) <= MAX_DIMS else ()
+        header = HDR.pack(MAGIC, VERSION, len(shape), tag, gid, src, 0, buf.nbytes,
+                          buf.dtype.encode(), *dims, *([0] * (MAX_DIMS - len(dims))))
+        if len(_headers) >= 4096:
+            _headers.clear()
+        _headers[key] = header
+    return header
 
 
 class _Send:

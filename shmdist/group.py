@@ -78,6 +78,7 @@ class World:
         self.groups: list[ProcessGroup] = []
         self.default: ProcessGroup | None = None
         self.pid = os.getpid()
+        self.forked = False
         self.lock = threading.Lock()
 
     def barrier(self, name: str) -> None:
@@ -85,7 +86,7 @@ class World:
         self.store.arrive(name, self.world_size, self.timeout)
 
     def close(self) -> None:
-        if os.getpid() != self.pid:
+        if self.forked:
             return      # a forked child: leave the parent's resources alone
         for g in self.groups:
             g.destroyed = True
@@ -103,16 +104,26 @@ _world: World | None = None
 
 
 def world(op: str = "this call") -> World:
-    if _world is None:
+    w = _world
+    if w is None:
         raise DistNotInitializedError(
             f"{op}: default process group has not been initialized, please make sure to call "
             "shmdist.init_process_group first")
-    if os.getpid() != _world.pid:
+    if w.forked:
         raise DistError(
-            f"{op}: this process (pid {os.getpid()}) was forked from rank {_world.rank} (pid "
-            f"{_world.pid}) after init_process_group; a forked child cannot use its parent's group. "
-            "Call init_process_group in the child with its own rank, or communicate from the parent")
-    return _world
+            f"{op}: this process (pid {os.getpid()}) was forked from rank {w.rank} (pid {w.pid}) "
+            "after init_process_group; a forked child cannot use its parent's group. Call "
+            "init_process_group in the child with its own rank, or communicate from the parent")
+    return w
+
+
+def _mark_forked() -> None:
+    """In a forked child: the inherited group belongs to the parent."""
+    if _world is not None:
+        _world.forked = True
+
+
+os.register_at_fork(after_in_child=_mark_forked)
 
 
 def init_process_group(backend: str | None = None, init_method: str | None = None, timeout=None,
@@ -120,7 +131,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                        pg_options=None, device_id=None) -> None:
     """Join the job: meet the other ranks, map shared memory, build the default group."""
     global _world
-    if _world is not None:
+    if _world is not None and not _world.forked:
         raise DistError(f"rank {_world.rank}: init_process_group: trying to initialize the default "
                         "process group twice; call destroy_process_group first")
     name = str(backend or "shm").lower()
