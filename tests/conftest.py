@@ -1,0 +1,76 @@
+"""Shared fixtures of the test suite.
+
+``run_ranks``  runs a module-level function as N ranks in real processes and
+               returns what each returned (see tests/ranks.py for the details).
+
+``no_leaks``   (autouse) gives every test its own SHMDIST_JOB_ID, so the
+               shared-memory segments of the test (in this process and every
+               process started from it) are named /dev/shm/shmdist-<job>-*.
+               After the test it fails the test if any of those remain, or
+               if a child process of this process is still alive; it removes
+               what it found, so that one leak does not fail the next tests.
+"""
+from __future__ import annotations
+
+import glob
+import itertools
+import multiprocessing.resource_tracker
+import os
+import signal
+
+import pytest
+
+import ranks
+
+_test_number = itertools.count()
+
+
+@pytest.fixture
+def run_ranks():
+    """``run_ranks(target, world_size, *args, timeout=60, env=None, errors="raise")``"""
+    return ranks.run_ranks
+
+
+def _children() -> set[int]:
+    """Pids of the live (not zombie) child processes of this process."""
+    me = str(os.getpid())
+    found = set()
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue     # exited while we looked
+        state, ppid = fields[0], fields[1]
+        if ppid == me and state not in ("Z", "X"):
+            found.add(int(stat.split("/")[2]))
+    return found
+
+
+def _resource_tracker() -> set[int]:
+    """multiprocessing's helper process: started once, on purpose, and kept for the session."""
+    pid = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+    return {pid} if pid else set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(monkeypatch):
+    job = f"pytest{os.getpid()}t{next(_test_number)}"
+    monkeypatch.setenv("SHMDIST_JOB_ID", job)
+    before = _children()
+    yield job
+    problems = []
+    stray = _children() - before - _resource_tracker()
+    if stray:
+        problems.append(f"child processes {sorted(stray)} are still alive (killed now)")
+        for pid in stray:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    segments = sorted(glob.glob(f"/dev/shm/shmdist-{job}-*"))
+    if segments:
+        problems.append(f"shared memory {segments} was left behind (removed now)")
+        for path in segments:
+            os.unlink(path)
+    if problems:
+        pytest.fail("the test leaked: " + "; ".join(problems) + ". Every rank must exit and every "
+                    "segment must be unlinked, even when a test fails", pytrace=False)
