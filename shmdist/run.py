@@ -72,9 +72,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def _free_port(host: str) -> int:
+def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
@@ -94,9 +94,12 @@ def _die_with_launcher(launcher_pid: int):
 
 
 def _describe(code: int) -> str:
-    if code < 0:
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
         return f"was killed by signal {signal.Signals(-code).name}"
-    return f"exited with code {code}"
+    except ValueError:     # a real-time signal has no name
+        return f"was killed by signal {-code}"
 
 
 def _exit_code(code: int) -> int:
@@ -109,7 +112,7 @@ class Job:
     def __init__(self, a: argparse.Namespace):
         self.a = a
         self.job_id = secrets.token_hex(6)
-        self.port = a.master_port or _free_port(a.master_addr)
+        self.port = a.master_port or _free_port()
         self.procs: dict[int, subprocess.Popen] = {}   # global rank -> its process
         self.copiers: list[threading.Thread] = []
         self.out_lock = threading.Lock()
@@ -149,8 +152,10 @@ class Job:
 
         def run():
             for line in pipe:
+                if not line.endswith(b"\n"):
+                    line += b"\n"     # the last line of a rank that did not end it
                 with self.out_lock:
-                    dest.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                    dest.buffer.write(prefix + line)
                     dest.flush()
             pipe.close()
         t = threading.Thread(target=run, daemon=True)
@@ -176,18 +181,18 @@ class Job:
                 if code is None:
                     running = True
                 elif code != 0:
-                    others = self._stop(already_signalled=False)
+                    others = any(q.poll() is None for q in self.procs.values())
                     stopped = "; stopped the other ranks" if others else ""
                     self._log(f"rank {rank} (pid {p.pid}) {_describe(code)}{stopped}")
+                    self._stop(already_signalled=False)
                     return _exit_code(code)
             if not running:
                 return 0
             time.sleep(POLL_SECONDS)
 
-    def _stop(self, already_signalled: bool) -> int:
+    def _stop(self, already_signalled: bool) -> None:
         """End the ranks still running: SIGTERM (unless a signal was just
-        forwarded), then SIGKILL after the grace period. Returns how many
-        were running."""
+        forwarded), then SIGKILL after the grace period."""
         live = [(r, p) for r, p in self.procs.items() if p.poll() is None]
         if not already_signalled:
             for _, p in live:
@@ -201,7 +206,6 @@ class Job:
                 p.wait()
                 self._log(f"rank {rank} (pid {p.pid}) was still running {GRACE_SECONDS:g}s after being "
                           "told to stop; killed it (SIGKILL)")
-        return len(live)
 
     def finish(self) -> None:
         for t in self.copiers:
