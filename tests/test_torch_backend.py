@@ -1,0 +1,371 @@
+"""torch.distributed over the "shm" backend (shmdist.torch), checked against gloo.
+
+Each rank initialises torch.distributed with backend "shm" and makes a gloo
+group of the same ranks, then runs every call on both and compares the
+results bit for bit. Data are small integers (also in the float dtypes), so
+every sum is exact in any order and both backends must agree exactly.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8")
+
+
+def _init(rank, world_size, init_method):
+    import shmdist.torch  # noqa: F401  (registers the backend)
+    dist.init_process_group("shm", init_method=init_method, rank=rank, world_size=world_size)
+    return dist.new_group(backend="gloo")
+
+
+def _data(shape, dtype, seed, low=0, high=4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, shape, generator=g).to(getattr(torch, dtype))
+
+
+def _same(what, rank, got, want):
+    if isinstance(got, (list, tuple)):
+        assert len(got) == len(want), f"rank {rank}: {what}: {len(got)} results, gloo {len(want)}"
+        for i, (a, b) in enumerate(zip(got, want)):
+            _same(f"{what}[{i}]", rank, a, b)
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), (
+        f"rank {rank}: {what}: shm gave {got} but gloo {want}")
+
+
+def _both(what, rank, gloo, call):
+    """Run ``call(group)`` over shm (the default group) and over gloo; compare."""
+    _same(what, rank, call(None), call(gloo))
+
+
+# ---------------------------------------------------------------- every call, against gloo
+
+def calls_against_gloo(rank, world_size, init_method):
+    gloo = _init(rank, world_size, init_method)
+    n, me = world_size, rank
+    ops = {"SUM": dist.ReduceOp.SUM, "PRODUCT": dist.ReduceOp.PRODUCT, "MIN": dist.ReduceOp.MIN,
+           "MAX": dist.ReduceOp.MAX}
+    bit_ops = {"BAND": dist.ReduceOp.BAND, "BOR": dist.ReduceOp.BOR, "BXOR": dist.ReduceOp.BXOR}
+
+    for dtype in DTYPES:
+        is_int = not getattr(torch, dtype).is_floating_point
+        for name, op in {**ops, **(bit_ops if is_int else {})}.items():
+            def all_reduce(group, dtype=dtype, op=op):
+                t = _data((5, 3), dtype, me, 1, 4)
+                dist.all_reduce(t, op=op, group=group)
+                return t
+            _both(f"all_reduce {name} {dtype}", me, gloo, all_reduce)
+
+        def reduce(group, dtype=dtype):
+            t = _data((7,), dtype, me)
+            dist.reduce(t, dst=n - 1, group=group)
+            return t if me == n - 1 else torch.tensor([])   # elsewhere the result is unspecified
+        _both(f"reduce {dtype}", me, gloo, reduce)
+
+        def broadcast(group, dtype=dtype):
+            t = _data((2, 3), dtype, me)
+            dist.broadcast(t, src=1, group=group)
+            return t
+        _both(f"broadcast {dtype}", me, gloo, broadcast)
+
+    # AVG (gloo has none: the reference is gloo's SUM divided by the group size)
+    for dtype in ("float32", "float64", "float16", "bfloat16"):
+        t = _data((9,), dtype, me) * n
+        want = t.clone()
+        dist.all_reduce(want, group=gloo)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        _same(f"all_reduce AVG {dtype}", me, t, want / n)
+
+    def all_gather(group):
+        out = [torch.empty(4, dtype=torch.bfloat16) for _ in range(n)]
+        dist.all_gather(out, _data((4,), "bfloat16", me), group=group)
+        return out
+    _both("all_gather", me, gloo, all_gather)
+
+    def all_gather_into_tensor(group):
+        out = torch.empty(n * 3, 2, dtype=torch.int64)
+        dist.all_gather_into_tensor(out, _data((3, 2), "int64", me), group=group)
+        return out
+    _both("all_gather_into_tensor", me, gloo, all_gather_into_tensor)
+
+    def gather(group):
+        out = [torch.empty(3) for _ in range(n)] if me == 0 else None
+        dist.gather(_data((3,), "float32", me), out, dst=0, group=group)
+        return out or []
+    _both("gather", me, gloo, gather)
+
+    def scatter(group):
+        t = torch.empty(2, 2, dtype=torch.float16)
+        pieces = [_data((2, 2), "float16", 10 + j) for j in range(n)] if me == 1 else None
+        dist.scatter(t, pieces, src=1, group=group)
+        return t
+    _both("scatter", me, gloo, scatter)
+
+    def reduce_scatter(group):
+        out = torch.empty(3, dtype=torch.float64)
+        dist.reduce_scatter(out, [_data((3,), "float64", me * n + j) for j in range(n)], group=group)
+        return out
+    _both("reduce_scatter", me, gloo, reduce_scatter)
+
+    def reduce_scatter_tensor(group):
+        out = torch.empty(2, dtype=torch.float32)
+        dist.reduce_scatter_tensor(out, _data((2 * n,), "float32", me), op=dist.ReduceOp.MAX,
+                                   group=group)
+        return out
+    _both("reduce_scatter_tensor", me, gloo, reduce_scatter_tensor)
+
+    def all_to_all(group):
+        out = [torch.empty(2, dtype=torch.int32) for _ in range(n)]
+        dist.all_to_all(out, [_data((2,), "int32", me * n + j, 0, 100) for j in range(n)], group=group)
+        return out
+    _both("all_to_all", me, gloo, all_to_all)
+
+    def all_to_all_single(group):
+        out = torch.empty(2 * n, 3)
+        dist.all_to_all_single(out, _data((2 * n, 3), "float32", me, 0, 100), group=group)
+        return out
+    _both("all_to_all_single", me, gloo, all_to_all_single)
+
+    def all_to_all_single_uneven(group):
+        sends = [(me + j) % 3 for j in range(n)]       # rows this rank sends to rank j
+        recvs = [(j + me) % 3 for j in range(n)]       # rows rank j sends here
+        out = torch.empty(sum(recvs), 2)
+        dist.all_to_all_single(out, _data((sum(sends), 2), "float32", me, 0, 100), recvs, sends,
+                               group=group)
+        return out
+    _both("all_to_all_single uneven", me, gloo, all_to_all_single_uneven)
+
+    def async_ops(group):
+        t = _data((4,), "float32", me)
+        work = dist.all_reduce(t, group=group, async_op=True)
+        work.wait()
+        got = work.get_future().wait()
+        assert work.is_completed() and got[0] is t
+        return t
+    _both("all_reduce async_op", me, gloo, async_ops)
+
+    def coalesced(group):
+        ts = [_data((3,), "float32", me), _data((2, 2), "float32", me + 7)]
+        dist.all_reduce_coalesced(ts, group=group)
+        return ts
+    _both("all_reduce_coalesced", me, gloo, coalesced)
+
+    def p2p(group):
+        right, left = (me + 1) % n, (me - 1) % n
+        got = torch.empty(3)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, _data((3,), "float32", me), right, group),
+                                       dist.P2POp(dist.irecv, got, left, group)])
+        for r in reqs:
+            r.wait()
+        if me == 0:
+            dist.send(torch.full((2,), 5.0), dst=n - 1, group=group)
+        if me == n - 1:
+            dist.recv(extra := torch.empty(2), src=0, group=group)
+            got = torch.cat([got, extra])
+        return got
+    _both("send/recv", me, gloo, p2p)
+
+    def any_source(group):
+        if me == 0:
+            firsts = []
+            for _ in range(n - 1):
+                t = torch.empty(1)
+                firsts.append(dist.recv(t, group=group))   # returns the sender's global rank
+                assert t.item() == firsts[-1] * 10, f"rank 0: recv from any: {t} from {firsts[-1]}"
+            return torch.tensor(sorted(firsts))
+        dist.send(torch.tensor([me * 10.0]), dst=0, group=group)
+        return torch.tensor([])
+    _both("recv from any source", me, gloo, any_source)
+
+    def objects(group):
+        obj = [{"rank": me}, "x" * me]
+        dist.broadcast_object_list(obj, src=1, group=group)
+        every = [None] * n
+        dist.all_gather_object(every, ("r", me), group=group)
+        assert every == [("r", j) for j in range(n)], f"rank {me}: all_gather_object gave {every}"
+        out = [None]
+        dist.scatter_object_list(out, [j * j for j in range(n)] if me == 0 else None, src=0, group=group)
+        assert out == [me * me], f"rank {me}: scatter_object_list gave {out}"
+        assert obj == [{"rank": 1}, "x"], f"rank {me}: broadcast_object_list gave {obj}"
+        return torch.tensor([1.0])
+    _both("object collectives", me, gloo, objects)
+
+    dist.barrier()
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+    return True
+
+
+def test_every_call_matches_gloo(run_ranks):
+    assert run_ranks(calls_against_gloo, 3, timeout=180) == [True] * 3
+
+
+# ---------------------------------------------------------------- things gloo gets wrong or lacks
+
+def strided_and_half(rank, world_size, init_method):
+    gloo = _init(rank, world_size, init_method)
+    me, n = rank, world_size
+    for dtype in ("float32", "float16", "bfloat16", "int64"):
+        base = _data((6, 8), dtype, me)
+        view = base[1:5, ::3]                       # not contiguous
+        want = view.contiguous()
+        dist.all_reduce(want, group=gloo)
+        untouched = base.clone()
+        dist.all_reduce(view)
+        assert torch.equal(view, want), f"rank {me}: all_reduce of a strided {dtype} view gave {view}, want {want}"
+        untouched[1:5, ::3] = want
+        assert torch.equal(base, untouched), f"rank {me}: all_reduce wrote outside the strided view"
+
+    whole = torch.zeros(4, 2 * n)
+    dist.all_gather_into_tensor(whole.t(), _data((2, 4), "float32", me))    # strided output
+    want = torch.empty(2 * n, 4)
+    dist.all_gather_into_tensor(want, _data((2, 4), "float32", me), group=gloo)
+    assert torch.equal(whole.t(), want), f"rank {me}: all_gather_into_tensor into a strided output"
+
+    got = torch.zeros(3, 4)
+    if me == 0:
+        dist.send(_data((4, 3), "float32", 99).t(), dst=1)
+    elif me == 1:
+        dist.recv(got, src=0)
+        assert torch.equal(got, _data((4, 3), "float32", 99).t()), "rank 1: recv of a transposed send"
+
+    sub = dist.new_group([0, n - 1])                    # shm subgroup; rank 1 of 3 is outside
+    sub_gloo = dist.new_group([0, n - 1], backend="gloo")
+    local = dist.new_group([0, n - 1], use_local_synchronization=True)
+    if me in (0, n - 1):
+        for group in (sub, local):
+            t = _data((5,), "float32", me)
+            w = t.clone()
+            dist.all_reduce(t, group=group)
+            dist.all_reduce(w, group=sub_gloo)
+            assert torch.equal(t, w), f"rank {me}: all_reduce in subgroup [0, {n - 1}]: {t} vs {w}"
+            b = torch.full((2,), float(me))
+            dist.broadcast(b, src=n - 1, group=group)       # src is a global rank
+            assert torch.equal(b, torch.full((2,), float(n - 1))), f"rank {me}: subgroup broadcast {b}"
+        if me == 0:
+            dist.send(torch.ones(2), dst=n - 1, group=sub)
+        else:
+            r = torch.zeros(2)
+            assert dist.recv(r, group=sub) == 0 and torch.equal(r, torch.ones(2)), f"rank {me}: {r}"
+        assert dist.get_rank(sub) == (0 if me == 0 else 1) and dist.get_world_size(sub) == 2
+    dist.barrier()
+    dist.destroy_process_group()
+    return True
+
+
+def test_strided_tensors_and_subgroups(run_ranks):
+    assert run_ranks(strided_and_half, 3, timeout=180) == [True] * 3
+
+
+def refused(rank, world_size, init_method, file_method):
+    import shmdist.torch  # noqa: F401
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        dist.new_group(backend="shm")
+    except Exception as e:
+        first = str(e)
+    dist.destroy_process_group()
+    dist.init_process_group("shm", init_method=file_method, rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
+    except Exception as e:
+        second = str(e)
+    dist.destroy_process_group()
+    return first, second
+
+
+def test_clear_errors(run_ranks, tmp_path):
+    [(first, second)] = run_ranks(refused, 1, f"file://{tmp_path}/store", timeout=60)
+    assert "init_process_group(backend='shm')" in first
+    assert "PREMUL_SUM is not supported" in second and "rank 0" in second
+
+
+# ---------------------------------------------------------------- DDP, against gloo
+
+def _grid_model():
+    """A float64 MLP whose weights start on the grid of 1/8. Inputs and targets
+    are small integers, the loss divides by a power of two, and the
+    parameters are rounded to the grid of 1/64 after each step: every
+    gradient and every sum of gradients is then exact in float64, so the
+    order in which a backend adds the ranks' gradients cannot change a bit."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randint(-4, 5, p.shape, generator=g) / 8)
+    return model
+
+
+def _train(rank, process_group, hook, steps=6):
+    from torch.nn.parallel import DistributedDataParallel
+    model = _grid_model()
+    ddp = DistributedDataParallel(model, process_group=process_group, gradient_as_bucket_view=True,
+                                  bucket_cap_mb=0.0002)          # ~200 bytes: several buckets
+    ddp.register_comm_hook(process_group, hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=2.0 ** -8)
+    data = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randint(-2, 3, (4, 6), generator=data).double()
+        y = torch.randint(-3, 4, (4, 3), generator=data).double()
+        loss = (ddp(x) - y).pow(2).sum() / 4
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.round(p * 64) / 64)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def ddp_against_gloo(rank, world_size, init_method):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    gloo = _init(rank, world_size, init_method)
+    hooks = [default_hooks.allreduce_hook]
+    if world_size == 2:      # a sum of two float16 values is the same in any order
+        hooks.append(default_hooks.fp16_compress_hook)
+    runs = {}
+    for hook in hooks:
+        shm = _train(rank, None, hook)
+        _same(f"DDP with {hook.__name__}", rank, shm, _train(rank, gloo, hook))
+        runs[hook.__name__] = [p.numpy() for p in shm]
+    dist.destroy_process_group()
+    return runs
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ddp_matches_gloo_bit_for_bit(run_ranks, world_size):
+    runs = run_ranks(ddp_against_gloo, world_size, timeout=240)
+    first = runs[0]
+    start = [p.detach().numpy() for p in _grid_model().parameters()]
+    for name, params in first.items():
+        assert any((a != b).any() for a, b in zip(params, start)), f"{name}: training changed nothing"
+        for rank, other in enumerate(runs[1:], 1):
+            for i, (a, b) in enumerate(zip(params, other[name])):
+                assert a.tobytes() == b.tobytes(), f"{name}: parameter {i} of rank {rank} differs from rank 0's"
+
+
+# ---------------------------------------------------------------- torchrun
+
+def test_torchrun_runs_an_unchanged_ddp_script():
+    """examples/ddp_train.py is a plain DDP script plus `import shmdist.torch`."""
+    from ranks import free_port
+    lines = {}
+    for backend in ("shm", "gloo"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), str(ROOT / "examples" / "ddp_train.py"),
+               "--backend", backend, "--steps", "4"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+        assert done.returncode == 0, f"torchrun with backend {backend} failed:\n{done.stdout}\n{done.stderr}"
+        lines[backend] = done.stdout.strip().splitlines()
+    assert len(lines["shm"]) == 5 and lines["shm"][-1].startswith("shm world_size 2 parameters ")
+    assert lines["shm"][:-1] == lines["gloo"][:-1]
+    assert lines["shm"][-1].split()[-1] == lines["gloo"][-1].split()[-1]
