@@ -5,6 +5,7 @@ Ranks passed by users (``dst``, ``src``, roots) are global ranks, as in torch.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import json
@@ -126,6 +127,16 @@ def _mark_forked() -> None:
 os.register_at_fork(after_in_child=_mark_forked)
 
 
+@atexit.register
+def _close_at_exit() -> None:
+    """A script that never called destroy_process_group still says goodbye,
+    so its peers learn it left rather than died."""
+    global _world
+    w, _world = _world, None
+    if w is not None:
+        w.close()
+
+
 def init_process_group(backend: str | None = None, init_method: str | None = None, timeout=None,
                        world_size: int = -1, rank: int = -1, store=None, group_name: str = "",
                        pg_options=None, device_id=None) -> None:
@@ -191,20 +202,39 @@ def _setup(w: World) -> None:
         if info["backend"] != w.backend:
             raise DistMismatchError(f"{who}: rank {r} uses backend '{info['backend']}' but this rank "
                                     f"'{w.backend}'; pass the same backend everywhere")
-    local = [r for r, info in enumerate(infos) if info["host"] == me["host"]]
-    if w.backend == "tcp" or len(local) != w.world_size:
-        raise DistError(f"{who}: ranks on other hosts (or backend 'tcp') need the TCP transport, "
-                        "which this version of shmdist does not have yet; run every rank on one host "
-                        "with backend 'shm'")
-    w.host = ShmHost.open(store, f"seg/{me['host']}", local, w.rank, who, w.timeout)
+    # A node is a set of ranks that share memory: a host, or each rank alone with backend "tcp".
+    w.nodes = [info["host"] if w.backend == "shm" else f"{info['host']}/{r}" for r, info in enumerate(infos)]
+    local = [r for r in range(w.world_size) if w.nodes[r] == w.nodes[w.rank]]
+    remote = [r for r in range(w.world_size) if w.nodes[r] != w.nodes[w.rank]]
+    same_machine = [r for r, info in enumerate(infos) if info["host"] == me["host"]]
+    oversubscribed = len(same_machine) > len(os.sched_getaffinity(0))
+    out, inc, ctl, peer_ctls, ctl_memory = {}, {}, None, {}, None
+    if w.backend == "shm":
+        w.host = ShmHost.open(store, f"seg/{me['host']}", local, w.rank, who, w.timeout)
+        out, inc, ctl, ctl_memory = dict(w.host.out), dict(w.host.inc), w.host.my_ctl, w.host.seg.array
+        peer_ctls = {r: c for r, c in w.host.ctls.items() if r != w.rank}
+    w.tcp = None
+    if remote:
+        from shmdist import tcp   # loads only when a job spans hosts
+        w.tcp = tcp.Transport(w.rank, remote, store, tcp.job_digest(infos), w.timeout, who, ctl, ctl_memory)
+        out.update(w.tcp.links)
+        inc.update(w.tcp.links)
     peers = {r: infos[r]["pid"] for r in local if r != w.rank}
-    oversubscribed = len(local) > len(os.sched_getaffinity(0))
-    w.engine = Engine(w.rank, w.timeout, w.host.my_ctl, w.host.out, w.host.inc, peers,
-                      {r: c for r, c in w.host.ctls.items() if r != w.rank}, oversubscribed)
+    w.engine = Engine(w.rank, w.timeout, w.tcp.ctl if w.tcp else ctl, out, inc, peers, peer_ctls,
+                      oversubscribed, links=w.tcp.links if w.tcp else None)
     w.default = ProcessGroup(w, 0, tuple(range(w.world_size)), w.timeout)
     w.groups.append(w.default)
-    w.default.coll = collectives.open_group(w, w.default)
+    w.default.coll = _open_collectives(w, w.default)
     w.barrier("init")
+
+
+def _open_collectives(w: World, g: ProcessGroup):
+    """The collective engine of a group: its shared arena when every member
+    shares this rank's memory, else the hierarchical one (by host, then TCP)."""
+    if w.host is not None and all(w.nodes[r] == w.nodes[w.rank] for r in g.ranks):
+        return collectives.open_group(w, g)
+    from shmdist import hier
+    return hier.open_group(w, g)
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
@@ -271,7 +301,7 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
     sig = hashlib.sha1(repr(members).encode()).hexdigest()[:12]
     w.store.add(f"group/{gid}/sig/{sig}", 1)
     if g.is_member:
-        g.coll = collectives.open_group(w, g)
+        g.coll = _open_collectives(w, g)
     w.barrier(f"group/{gid}/made")
     agree = int(w.store.get(f"group/{gid}/sig/{sig}", w.timeout))
     w.barrier(f"group/{gid}/checked")   # the last store call: rank 0 may leave right after it
