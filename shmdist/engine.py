@@ -78,13 +78,14 @@ class _Incoming:
 
 class Engine:
     def __init__(self, rank: int, timeout: float, my_ctl: int, chan_out: dict, chan_in: dict,
-                 peer_pids: dict, peer_ctls: dict, oversubscribed: bool):
+                 peer_pids: dict, peer_ctls: dict, oversubscribed: bool, links: dict | None = None):
         self.rank = rank
         self.timeout = timeout
         self.ctl = my_ctl
         self.chan_out = chan_out          # global rank -> channel we produce into
         self.chan_in = list(chan_in.items())   # (global rank, channel we consume)
         self.peer_ctls = peer_ctls        # global rank -> control block address
+        self.links = links or {}          # global rank -> tcp.Link, for ranks on other hosts
         self.sendq: dict[int, deque] = {}
         self.posted: list[_Recv] = []
         self.rx: dict[int, _Incoming | None] = {src: None for src, _ in self.chan_in}
@@ -267,6 +268,11 @@ class Engine:
         """None while ``peer`` lives and takes part; else why not."""
         if peer in self.dead:
             return self.dead[peer]
+        if peer in self.links:
+            gone = self.links[peer].gone()
+            if gone:
+                self.dead[peer] = gone
+            return gone
         fd = self.pidfds.get(peer, -1)
         gone = None
         if fd is None:
@@ -322,9 +328,7 @@ class Engine:
                 return True
         for inc in self.unexpected:
             if inc.claimed is not None and inc.claimed.req is req:
-                if not force:
-                    return False
-                inc.claimed = None
+                inc.claimed = None      # it drains into its own buffer: the next receive gets it
                 return True
         for src, inc in self.rx.items():
             if inc is not None and inc.target is not None and inc.target.req is req:
