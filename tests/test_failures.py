@@ -6,12 +6,15 @@ import glob
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import shmdist as dist
 from ranks import RankError, RankFailed, RankTimeout, wait_until_gone
+
+pytest_plugins = ["pytester"]
 
 
 # ---------------------------------------------------------------- mismatched receives
@@ -65,14 +68,20 @@ def wait_times_out(rank, world_size, init_method):
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
     box = np.zeros(1, dtype=np.int64)
     if rank == 0:
+        req = dist.recv(box, src=1)
+        if req.is_completed():
+            raise AssertionError("is_completed() is True although rank 1 sent nothing")
         start = time.monotonic()
         try:
-            dist.recv(box, src=1).wait(timeout=1)
+            req.wait(timeout=1)
             raise AssertionError("wait(timeout=1) returned although rank 1 sent nothing")
         except dist.DistTimeoutError as e:
             error, elapsed = e, time.monotonic() - start
         dist.send(box, dst=1).wait()                 # now rank 1 may send
-        dist.recv(box, src=1).wait(timeout=30)
+        req = dist.recv(box, src=1)
+        req.wait(timeout=30)
+        if not req.is_completed():
+            raise AssertionError("is_completed() is False after wait() returned")
         result = (elapsed, isinstance(error, TimeoutError), isinstance(error, dist.DistError), str(error),
                   int(box[0]))
     else:
@@ -239,3 +248,39 @@ def test_harness_sets_the_environment_of_every_rank(run_ranks, no_leaks):
     assert results[0] == results[1]
     ring, job, init_method = results[0]
     assert ring == "65536" and job == no_leaks and init_method.startswith("tcp://127.0.0.1:")
+
+
+LEAKY_TESTS = '''
+import os
+import subprocess
+
+import posix_ipc
+
+
+def test_leaves_a_child_process():
+    subprocess.Popen(["sleep", "60"])
+
+
+def test_leaves_a_segment():
+    name = "/shmdist-" + os.environ["SHMDIST_JOB_ID"] + "-leak"
+    posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=4096).close_fd()
+
+
+def test_clean():
+    pass
+'''
+
+
+def test_leak_check_fails_the_leaking_test_and_cleans_up(pytester):
+    here = Path(__file__).parent
+    pytester.makeconftest((here / "conftest.py").read_text())
+    pytester.makepyfile(ranks=(here / "ranks.py").read_text(), test_leaky=LEAKY_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3, errors=2)
+    result.stdout.fnmatch_lines_random([
+        "*ERROR at teardown of test_leaves_a_child_process*",
+        "the test leaked: child processes [[]*[]] are still alive (killed now)*",
+        "*ERROR at teardown of test_leaves_a_segment*",
+        "the test leaked: shared memory [[]'/dev/shm/shmdist-pytest*-leak'[]] was left behind (removed now)*",
+    ])
+    assert glob.glob("/dev/shm/shmdist-*-leak") == []

@@ -193,10 +193,11 @@ def many_in_order(rank, world_size, init_method, count):
     return result
 
 
-def test_100_mixed_size_messages_arrive_in_order(run_ranks):
+@pytest.mark.parametrize("ring", [None, "65536"], ids=["default-ring", "64KiB-ring"])
+def test_100_mixed_size_messages_arrive_in_order(run_ranks, ring):
     sizes = _mixed_sizes(100)
     assert min(sizes) == 0 and max(sizes) > (1 << 20), "the mix must include empty and multi-chunk messages"
-    assert run_ranks(many_in_order, 2, 100) == [None, []]
+    assert run_ranks(many_in_order, 2, 100, env={"SHMDIST_RING_BYTES": ring}) == [None, []]
 
 
 def tags_out_of_order(rank, world_size, init_method):

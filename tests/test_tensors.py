@@ -109,7 +109,7 @@ def non_contiguous(rank, world_size, init_method, kind):
     big = _values(kind, "int32", (6, 10))
     if rank == 0:
         dist.send(big[::2, 1::3], dst=1).wait()     # shape (3, 3), strided both ways
-        dist.send(big.T, dst=1).wait()              # transposed
+        dist.send(big.T, dst=1).wait()              # transposed (Fortran order for numpy)
         result = None
     else:
         into = _zeros(kind, "int32", (6, 12))
