@@ -23,13 +23,15 @@ values, indexed by rank.
   in its slot instead, and the other ranks run on: tests assert on the
   error's type and message (``results[1].exc`` is the exception object).
 
-``env`` sets (or, with a value of None, removes) environment variables in
-every rank before the target runs. The conftest fixture of the same name
+``env`` sets (or, with a value of None, removes) environment variables of
+every rank from the start of its interpreter, so even what is read at import
+time sees them. The conftest fixture of the same name
 also gives each test its own SHMDIST_JOB_ID, so that the shared memory a
 test leaves behind can be told apart from that of anyone else on the host.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing
 import multiprocessing.connection
@@ -101,14 +103,29 @@ def wait_until_gone(pid: int, timeout: float = 30) -> None:
         time.sleep(0.01)
 
 
-def _rank_main(target, rank, world_size, init_method, args, env, conn):
-    """The body of one rank's process: run the target, send back its result or error."""
-    faulthandler.register(DUMP_SIGNAL, all_threads=True)
+@contextlib.contextmanager
+def _environment(env: dict):
+    """This process's environment changed by ``env`` (None removes), restored on exit;
+    processes started inside inherit it."""
+    saved = {key: os.environ.get(key) for key in env}
+    _apply(env)
+    try:
+        yield
+    finally:
+        _apply(saved)
+
+
+def _apply(env: dict) -> None:
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = str(value)
+
+
+def _rank_main(target, rank, world_size, init_method, args, conn):
+    """The body of one rank's process: run the target, send back its result or error."""
+    faulthandler.register(DUMP_SIGNAL, all_threads=True)
     try:
         reply = ("ok", target(rank, world_size, init_method, *args))
     except BaseException as e:
@@ -139,14 +156,15 @@ def run_ranks(target, world_size: int, *args, timeout: float = 60, env: dict | N
     ctx = multiprocessing.get_context("spawn")
     procs, conns = [], []
     try:
-        for rank in range(world_size):
-            mine, theirs = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank_main, name=f"rank-{rank}",
-                            args=(target, rank, world_size, init_method, args, env or {}, theirs))
-            p.start()
-            theirs.close()
-            procs.append(p)
-            conns.append(mine)
+        with _environment(env or {}):
+            for rank in range(world_size):
+                mine, theirs = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_rank_main, name=f"rank-{rank}",
+                                args=(target, rank, world_size, init_method, args, theirs))
+                p.start()
+                theirs.close()
+                procs.append(p)
+                conns.append(mine)
         return _collect(procs, conns, timeout, errors)
     finally:
         for p in procs:

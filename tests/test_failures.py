@@ -240,14 +240,19 @@ def test_harness_names_the_ranks_that_did_not_finish(run_ranks):
 
 
 def reads_env(rank, world_size, init_method):
-    return os.environ.get("SHMDIST_RING_BYTES"), os.environ.get("SHMDIST_JOB_ID"), init_method
+    env = os.environ
+    return env.get("SHMDIST_RING_BYTES"), env.get("SHMDIST_TIMEOUT"), env.get("SHMDIST_JOB_ID"), init_method
 
 
-def test_harness_sets_the_environment_of_every_rank(run_ranks, no_leaks):
-    results = run_ranks(reads_env, 2, env={"SHMDIST_RING_BYTES": "65536"})
+def test_harness_sets_the_environment_of_every_rank(run_ranks, no_leaks, monkeypatch):
+    monkeypatch.setenv("SHMDIST_TIMEOUT", "77")
+    monkeypatch.delenv("SHMDIST_RING_BYTES", raising=False)
+    results = run_ranks(reads_env, 2, env={"SHMDIST_RING_BYTES": "65536", "SHMDIST_TIMEOUT": None})
     assert results[0] == results[1]
-    ring, job, init_method = results[0]
-    assert ring == "65536" and job == no_leaks and init_method.startswith("tcp://127.0.0.1:")
+    ring, timeout, job, init_method = results[0]
+    assert ring == "65536" and timeout is None and job == no_leaks
+    assert init_method.startswith("tcp://127.0.0.1:")
+    assert os.environ["SHMDIST_TIMEOUT"] == "77" and "SHMDIST_RING_BYTES" not in os.environ
 
 
 LEAKY_TESTS = '''
