@@ -34,7 +34,7 @@ import torch.distributed as dist
 import shmdist
 from shmdist import collective_api as api
 from shmdist import collectives, group as groups, rendezvous
-from shmdist.errors import DistError
+from shmdist.errors import DistError, DistPeerError
 from shmdist.reduce_ops import ReduceOp
 
 BACKEND = "shm"
@@ -248,6 +248,8 @@ class ShmProcessGroup(dist.ProcessGroup):
             return
         try:
             api.barrier(g)
+        except DistPeerError:
+            pass     # a peer exited or died: there is no one left to wait for
         finally:
             shmdist.destroy_process_group()
 

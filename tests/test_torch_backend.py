@@ -289,6 +289,21 @@ def test_clear_errors(run_ranks, tmp_path):
     assert "PREMUL_SUM is not supported" in second and "rank 0" in second
 
 
+def peer_exits_early(rank, world_size, init_method):
+    import shmdist.torch  # noqa: F401
+    dist.init_process_group("shm", init_method=init_method, rank=rank, world_size=world_size)
+    dist.all_reduce(torch.ones(1))
+    if rank == 1:
+        os._exit(0)                   # leaves without destroy_process_group
+    dist.destroy_process_group()      # its barrier notices rank 1 is gone instead of waiting
+    return True
+
+
+def test_destroy_after_a_peer_exited(run_ranks):
+    results = run_ranks(peer_exits_early, 2, timeout=60, errors="return")
+    assert results[0] is True and results[1].exitcode == 0
+
+
 # ---------------------------------------------------------------- DDP, against gloo
 
 def _grid_model():
@@ -356,16 +371,24 @@ def test_ddp_matches_gloo_bit_for_bit(run_ranks, world_size):
 # ---------------------------------------------------------------- torchrun
 
 def test_torchrun_runs_an_unchanged_ddp_script():
-    """examples/ddp_train.py is a plain DDP script plus `import shmdist.torch`."""
+    """examples/ddp_train.py is a plain DDP script plus `import shmdist.torch`;
+    torchrun and shmdist-run both launch it."""
     from ranks import free_port
+    script = [str(ROOT / "examples" / "ddp_train.py"), "--steps", "4", "--backend"]
+    launchers = {
+        "torchrun shm": ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                         str(free_port()), *script, "shm"],
+        "torchrun gloo": ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), *script, "gloo"],
+        "shmdist-run shm": ["-m", "shmdist.run", "-n", "2", *script, "shm"],
+    }
     lines = {}
-    for backend in ("shm", "gloo"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), str(ROOT / "examples" / "ddp_train.py"),
-               "--backend", backend, "--steps", "4"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
-        assert done.returncode == 0, f"torchrun with backend {backend} failed:\n{done.stdout}\n{done.stderr}"
-        lines[backend] = done.stdout.strip().splitlines()
-    assert len(lines["shm"]) == 5 and lines["shm"][-1].startswith("shm world_size 2 parameters ")
-    assert lines["shm"][:-1] == lines["gloo"][:-1]
-    assert lines["shm"][-1].split()[-1] == lines["gloo"][-1].split()[-1]
+    for name, args in launchers.items():
+        done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=180, cwd=ROOT)
+        assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
+        lines[name] = done.stdout.strip().splitlines()
+    shm = lines["torchrun shm"]
+    assert len(shm) == 5 and shm[-1].startswith("shm world_size 2 parameters "), shm
+    for name in ("torchrun gloo", "shmdist-run shm"):
+        assert lines[name][:-1] == shm[:-1], f"{name} printed other losses: {lines[name]} vs {shm}"
+        assert lines[name][-1].split()[-1] == shm[-1].split()[-1], f"{name} ended with other parameters"
