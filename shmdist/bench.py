@@ -605,14 +605,15 @@ def plot(path: str, rows, labels, results) -> None:
               ("all_reduce", "all_reduce float32 SUM (µs)", 1e6)]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     for ax, (kind, title, scale) in zip(axes, panels):
-        for lab in labels:
-            for ranks in sorted({p.ranks for p in rows if p.kind == kind}):
+        for i, lab in enumerate(labels):
+            counts = sorted({p.ranks for p in rows if p.kind == kind})
+            for ranks in counts[:1] if lab == "memcpy" else counts:
                 pts = [(p.nbytes, r["value"] * scale) for p in rows if p.kind == kind and p.ranks == ranks
                        for r in [lookup(results, lab, p)] if r and "value" in r]
                 if pts:
                     name = lab if kind != "all_reduce" or lab == "memcpy" else f"{lab}, {ranks} ranks"
-                    ax.plot(*zip(*pts), marker="o", label=name,
-                            linestyle="--" if ranks > 2 and lab != "memcpy" else "-")
+                    ax.plot(*zip(*pts), marker="o", label=name, color=f"C{i}",
+                            linestyle="-" if ranks == counts[0] else "--")
         ax.set(title=title, xlabel="message size (bytes)", xscale="log", yscale="log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
