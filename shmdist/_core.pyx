@@ -21,6 +21,7 @@ cdef enum:
     _SLEEPING = 128   # uint32: number of owner threads asleep on the doorbell
     _HDR = 128        # bytes of one message header in a ring
     NOGIL_COPY = 65536  # copies at least this big drop the GIL
+    SLICE = 131072      # a ring publishes its index after each slice this big
 CTL_BYTES = 256
 HEADER_BYTES = _HDR
 RING_CTL_BYTES = 4096 # head and tail of a ring, each on its own cache line
@@ -89,7 +90,7 @@ cdef int _wait_bell(uint32_t *bell, uint32_t *sleeping, uint32_t seen,
     cdef long i
     for i in range(spin):
         if sd_load32(bell) != seen:
-            return 1
+            return 2
         sd_relax()
     for i in range(yields):
         if sd_load32(bell) != seen:
@@ -107,15 +108,15 @@ def wait_bell(size_t ctl, uint32_t seen, long spin, long yields, double timeout)
     """Wait until the doorbell of ``ctl`` differs from ``seen``.
 
     Spins ``spin`` times (cpu pause), then yields the CPU ``yields`` times,
-    then sleeps on the futex for at most ``timeout`` seconds. Returns True
-    when the bell moved, False on timeout or signal (the caller loops and
-    so lets Python run signal handlers between slices).
+    then sleeps on the futex for at most ``timeout`` seconds. Returns 2 when
+    the bell moved while spinning, 1 when it moved later, 0 on timeout or
+    signal (the caller loops and so lets Python run signal handlers).
     """
     cdef int r
     cdef long ns = <long>(timeout * 1e9)
     with nogil:
         r = _wait_bell(_u32(ctl + _BELL), _u32(ctl + _SLEEPING), seen, spin, yields, ns)
-    return r != 0
+    return r
 
 
 # ---------------------------------------------------------------- copies
@@ -181,59 +182,97 @@ cdef class Ring:
     def used(self):
         return sd_load64(self.head) - sd_load64(self.tail)
 
-    cdef inline void _put(self, uint64_t at, const uint8_t *src, size_t n) noexcept:
+    cdef inline void _put(self, uint64_t at, const uint8_t *src, size_t n) noexcept nogil:
         cdef uint64_t off = at & self.mask
         cdef uint64_t first = self.size - off
         if first >= n:
-            _copy(self.data + off, src, n)
+            memcpy(self.data + off, src, n)
         else:
-            _copy(self.data + off, src, first)
-            _copy(self.data, src + first, n - first)
+            memcpy(self.data + off, src, first)
+            memcpy(self.data, src + first, n - first)
 
-    cdef inline void _get(self, uint64_t at, uint8_t *dst, size_t n) noexcept:
+    cdef inline void _get(self, uint64_t at, uint8_t *dst, size_t n) noexcept nogil:
         cdef uint64_t off = at & self.mask
         cdef uint64_t first = self.size - off
         if first >= n:
-            _copy(dst, self.data + off, n)
+            memcpy(dst, self.data + off, n)
         else:
-            _copy(dst, self.data + off, first)
-            _copy(dst + first, self.data, n - first)
+            memcpy(dst, self.data + off, first)
+            memcpy(dst + first, self.data, n - first)
+
+    cdef uint64_t _push(self, const uint8_t *hdr, const uint8_t *src, uint64_t nbytes,
+                        uint64_t pos, uint64_t total) noexcept nogil:
+        cdef uint64_t h = sd_load64(self.head)
+        cdef uint64_t free, end, upto
+        while pos < total:
+            free = self.size - (h - self.cached_tail)
+            if free < SLICE and free < total - pos:
+                self.cached_tail = sd_load64(self.tail)
+                free = self.size - (h - self.cached_tail)
+                if free == 0:
+                    break
+            end = pos + min(free, SLICE, total - pos)
+            if pos < _HDR:
+                upto = min(end, <uint64_t>_HDR)
+                self._put(h, hdr + pos, upto - pos)
+                h += upto - pos
+                pos = upto
+            if pos < end and pos < _HDR + nbytes:
+                upto = min(end, _HDR + nbytes)
+                self._put(h, src + pos - _HDR, upto - pos)
+                h += upto - pos
+                pos = upto
+            h += end - pos          # padding: nothing to copy
+            pos = end
+            sd_store64(self.head, h)   # publish each slice: the consumer copies it meanwhile
+            _ring_bell(self.other_ctl)
+        return pos
+
+    cdef uint64_t _pull(self, uint8_t *dst, uint64_t nbytes, uint64_t pos,
+                        uint64_t total) noexcept nogil:
+        cdef uint64_t t = sd_load64(self.tail)
+        cdef uint64_t avail, end, upto
+        while pos < total:
+            avail = self.cached_head - t
+            if avail < SLICE and avail < total - pos:
+                self.cached_head = sd_load64(self.head)
+                avail = self.cached_head - t
+                if avail == 0:
+                    break
+            end = pos + min(avail, SLICE, total - pos)
+            if pos < _HDR:          # the header itself, already read by peek
+                upto = min(end, <uint64_t>_HDR)
+                t += upto - pos
+                pos = upto
+            if pos < end and pos < _HDR + nbytes:
+                upto = min(end, _HDR + nbytes)
+                if dst != NULL:
+                    self._get(t, dst + pos - _HDR, upto - pos)
+                t += upto - pos
+                pos = upto
+            t += end - pos
+            pos = end
+            sd_store64(self.tail, t)   # hand each slice back to the producer at once
+            _ring_bell(self.other_ctl)
+        return pos
 
     def push(self, bytes header, size_t addr, size_t nbytes, size_t pos):
         """Write what fits of one record, from record offset ``pos``.
 
         The record is ``header`` (HEADER_BYTES), ``nbytes`` of payload at
-        ``addr``, then padding to 64 bytes. Returns the new offset; the
-        record is complete when it equals ``record_bytes(nbytes)``.
+        ``addr``, then padding to 64 bytes. Copies in slices, publishing
+        each, for as long as the consumer makes room. Returns the new
+        offset; the record is complete when it equals ``record_bytes(nbytes)``.
         """
-        cdef uint64_t h = sd_load64(self.head)
         cdef uint64_t total = _HDR + ((nbytes + 63) & ~(<uint64_t>63))
-        cdef uint64_t free = self.size - (h - self.cached_tail)
-        cdef uint64_t n, end, plen
-        if free < total - pos:
-            self.cached_tail = sd_load64(self.tail)
-            free = self.size - (h - self.cached_tail)
-        if free == 0:
-            return pos
-        end = pos + free
-        if end > total:
-            end = total
-        if pos < _HDR:
-            n = (_HDR if end > _HDR else end) - pos
-            self._put(h, <const uint8_t *>PyBytes_AS_STRING(header) + pos, n)
-            h += n
-            pos += n
-        if pos < end and pos < _HDR + nbytes:
-            plen = (end if end < _HDR + nbytes else _HDR + nbytes) - pos
-            self._put(h, <const uint8_t *>(addr + pos - _HDR), plen)
-            h += plen
-            pos += plen
-        if pos < end:   # padding: nothing to copy
-            h += end - pos
-            pos = end
-        sd_store64(self.head, h)
-        _ring_bell(self.other_ctl)
-        return pos
+        cdef const uint8_t *hdr = <const uint8_t *>PyBytes_AS_STRING(header)
+        cdef const uint8_t *src = <const uint8_t *>addr
+        cdef uint64_t p = pos
+        if total - p < NOGIL_COPY:
+            return self._push(hdr, src, nbytes, p, total)
+        with nogil:
+            p = self._push(hdr, src, nbytes, p, total)
+        return p
 
     def peek(self):
         """The next record's header, or None when it has not arrived."""
@@ -247,40 +286,21 @@ cdef class Ring:
         return out
 
     def pull(self, size_t addr, size_t nbytes, size_t pos):
-        """Consume what has arrived of the payload following a peeked header.
+        """Consume what has arrived of the record whose header was peeked.
 
-        ``pos`` is the record offset reached so far (0 right after
-        peek). Copies into ``addr`` (which may be 0 to discard) and returns
-        the new offset; complete at ``record_bytes(nbytes)``.
+        ``pos`` is the record offset reached so far (0 right after peek).
+        Copies the payload into ``addr`` (0 discards it), slice by slice
+        for as long as the producer keeps writing, and returns the new
+        offset; complete at ``record_bytes(nbytes)``.
         """
-        cdef uint64_t t = sd_load64(self.tail)
         cdef uint64_t total = _HDR + ((nbytes + 63) & ~(<uint64_t>63))
-        cdef uint64_t avail = self.cached_head - t
-        cdef uint64_t end, plen, n
-        if avail < total - pos:
-            self.cached_head = sd_load64(self.head)
-            avail = self.cached_head - t
-        if avail == 0 and pos < total:
-            return pos
-        end = pos + avail
-        if end > total:
-            end = total
-        if pos < _HDR:   # the header itself, already read by peek
-            n = (_HDR if end > _HDR else end) - pos
-            t += n
-            pos += n
-        if pos < end and pos < _HDR + nbytes:
-            plen = (end if end < _HDR + nbytes else _HDR + nbytes) - pos
-            if addr:
-                self._get(t, <uint8_t *>(addr + pos - _HDR), plen)
-            t += plen
-            pos += plen
-        if pos < end:
-            t += end - pos
-            pos = end
-        sd_store64(self.tail, t)
-        _ring_bell(self.other_ctl)
-        return pos
+        cdef uint8_t *dst = <uint8_t *>addr
+        cdef uint64_t p = pos
+        if total - p < NOGIL_COPY:
+            return self._pull(dst, nbytes, p, total)
+        with nogil:
+            p = self._pull(dst, nbytes, p, total)
+        return p
 
 
 def record_bytes(size_t nbytes):
@@ -326,7 +346,7 @@ def wait_phase(size_t flags, size_t stride, int n, uint64_t target, size_t ctl,
     with nogil:
         for i in range(spin):
             if _all_reached(f, stride, n, target):
-                done = 1
+                done = 2
                 break
             sd_relax()
         if not done:
@@ -343,7 +363,7 @@ def wait_phase(size_t flags, size_t stride, int n, uint64_t target, size_t ctl,
             sd_add32(sleeping, -1)
         if not done:
             done = _all_reached(f, stride, n, target)
-    return done != 0
+    return done
 
 
 def load_u64(size_t addr):

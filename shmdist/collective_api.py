@@ -33,6 +33,9 @@ def _enter(op: str, group):
         warnings.warn(f"rank {w.rank}: {op}: this rank is not a member of group {list(g.ranks)}; "
                       "the call does nothing (as in torch.distributed)", stacklevel=3)
         return w, g, None
+    if g.coll is None:
+        raise DistError(f"rank {w.rank}: {op}: group {list(g.ranks)} has no collective engine; it was "
+                        "not made by shmdist.new_group or init_process_group")
     return w, g, g.coll
 
 

@@ -96,8 +96,7 @@ class GroupComm:
         self.calls = 0
         self.broken: str | None = None
         self.lock = threading.Lock()
-        engine = world.engine
-        self.spin, self.yields = engine.spin, engine.yields
+        self.backoff = world.engine.backoff
 
     def arena_bytes(self) -> int:
         return self.seg.size
@@ -115,8 +114,10 @@ class GroupComm:
         self.phase += 1
         target = self.phase
         _core.arrive(self.ctl[self.me], target, self.others)
-        if _core.wait_phase(self.ctl[0], CTL_STRIDE, self.n, target, self.my_bell,
-                            self.spin, self.yields, 0.0):
+        b = self.backoff
+        how = _core.wait_phase(self.ctl[0], CTL_STRIDE, self.n, target, self.my_bell, b.spin, b.yields, 0.0)
+        b.update(how or 1)   # not caught while spinning: spin less next time
+        if how:
             return
         start = time.monotonic()
         deadline = start + timeout
