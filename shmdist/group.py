@@ -216,7 +216,8 @@ def _setup(w: World) -> None:
     w.tcp = None
     if remote:
         from shmdist import tcp   # loads only when a job spans hosts
-        w.tcp = tcp.Transport(w.rank, remote, store, tcp.job_digest(infos), w.timeout, who, ctl, ctl_memory)
+        w.tcp = tcp.Transport(w.rank, remote, store, tcp.job_digest(infos), w.timeout, who,
+                              os.environ.get(rendezvous.SECRET_ENV) or None, ctl, ctl_memory)
         out.update(w.tcp.links)
         inc.update(w.tcp.links)
     peers = {r: infos[r]["pid"] for r in local if r != w.rank}

@@ -1,0 +1,321 @@
+"""Collectives for groups whose members span hosts (or, with backend "tcp",
+do not share memory at all).
+
+The members of a group fall into nodes (the members on one host); the
+lowest member of each node is its leader. A collective runs in three
+steps: inside each node through a GroupComm of the node's members (shared
+memory), between the leaders by point-to-point messages through the
+engine (TCP), then inside each node again. Collectives whose every byte
+has one destination (gather, scatter, reduce_scatter, all_to_all) send
+each piece straight to its rank instead.
+
+Every call starts with a check: each member's descriptor of the call
+(which collective, sizes, dtype, op, root) is gathered inside its node,
+the leaders exchange their nodes' descriptors, and each node's leader
+hands the whole table back to its members. Every rank compares the same
+table, so a mismatch raises the same error everywhere before any data
+moved, and the group stays usable.
+
+Leader messages use the group id ``COLLECTIVE_GID | gid`` so they never
+match a user's messages; every step runs in the same order on both ends of
+a pair, so FIFO order per pair keeps them apart.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import numpy as np
+
+from shmdist import _core, collectives
+from shmdist.collectives import KINDS
+from shmdist.engine import COLLECTIVE_GID
+from shmdist.errors import DistError, DistMismatchError
+from shmdist.reduce_ops import ReduceOp, _from_f32, _to_f32, reduce_into
+from shmdist.request import DistributedRequest
+from shmdist.tensors import Buf, as_buf
+
+DESC_WORDS = 8   # kind, bytes, op, root, dtype (16 bytes), extra
+TAG = 0
+
+
+class _Node:
+    """The members of a group on one node, as collectives.open_group needs them."""
+
+    def __init__(self, gid: str, ranks: list[int], rank: int):
+        self.gid, self.ranks, self._rank = gid, tuple(ranks), ranks.index(rank)
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def open_group(world, group) -> "HierComm":
+    """Split the group into nodes and open the shared arena of this rank's node."""
+    nodes: dict[str, list[int]] = {}
+    for r in group.ranks:
+        nodes.setdefault(world.nodes[r], []).append(r)
+    mine = nodes[world.nodes[world.rank]]
+    comm = None
+    if len(mine) > 1:
+        comm = collectives.open_group(world, _Node(f"{group.gid}/{mine[0]}", mine, world.rank))
+    return HierComm(world, group, list(nodes.values()), comm)
+
+
+def _array_buf(a: np.ndarray, dtype: str) -> Buf:
+    return Buf(a, a.ctypes.data, a.nbytes, dtype, a.shape, None)
+
+
+def _piece(addr: int, nbytes: int) -> Buf:
+    """Raw bytes at ``addr`` (dtypes and sizes were agreed by the check)."""
+    return Buf(None, addr, nbytes, "uint8", (nbytes,), None)
+
+
+class HierComm:
+    """The methods of collectives.GroupComm, for a group spanning nodes."""
+
+    def __init__(self, world, group, nodes: list[list[int]], comm):
+        self.world, self.group, self.comm = world, group, comm
+        self.rank = world.rank
+        self.engine = world.engine
+        self.gid = COLLECTIVE_GID | group.gid
+        self.n = group.size()
+        self.me = group.rank()
+        self.nodes = nodes
+        self.node_of = {r: k for k, members in enumerate(nodes) for r in members}
+        self.local = nodes[self.node_of[self.rank]]
+        self.leaders = [members[0] for members in nodes]
+        self.is_leader = self.rank == self.local[0]
+        self.order = [r for members in nodes for r in members]   # table rows: node by node
+        self.broken: str | None = None
+        self.lock = threading.Lock()
+
+    def arena_bytes(self) -> int:
+        return self.comm.arena_bytes() if self.comm else 0
+
+    def close(self) -> None:
+        if self.comm:
+            self.comm.close()
+
+    # ------------------------------------------------------------ steps
+
+    @contextmanager
+    def _step(self, what: str):
+        """A step that leaves the group unusable when it fails half-way."""
+        try:
+            yield
+        except DistError as e:
+            self.broken = f"{what} failed ({type(e).__name__})"
+            raise
+
+    def _exchange(self, what: str, sends: list, recvs: list, timeout: float) -> None:
+        """Post ``recvs`` [(buf, src)] and ``sends`` [(buf, dst)], wait for all."""
+        reqs = []
+        for buf, src in recvs:
+            req = DistributedRequest(self.engine, f"{what}: receive from rank {src}")
+            self.engine.recv(req, buf, src, self.gid, TAG, self.group.ranks)
+            reqs.append(req)
+        for buf, dst in sends:
+            req = DistributedRequest(self.engine, f"{what}: send to rank {dst}")
+            self.engine.send(req, buf, dst, self.gid, TAG)
+            reqs.append(req)
+        with self._step(what):
+            for req in reqs:
+                req.wait(timeout)
+
+    def _local_broadcast(self, buf, root: int, what: str, timeout: float) -> None:
+        """Broadcast inside this node from global rank ``root``."""
+        if self.comm:
+            with self._step(what):
+                self.comm.broadcast(buf, self.local.index(root), timeout)
+
+    def _check(self, what: str, desc: tuple, timeout: float) -> None:
+        """Compare every member's descriptor of this call (see the module doc)."""
+        if self.broken:
+            raise DistError(f"rank {self.rank}: {what}: group {list(self.group.ranks)} is unusable "
+                            f"since {self.broken}; destroy it and create a new one")
+        kind, nbytes, op, root, dtype, extra = desc
+        mine = np.zeros(DESC_WORDS, dtype=np.int64)
+        mine[:4] = KINDS.index(kind), nbytes, op, self.group.ranks[root] if root >= 0 else -1
+        mine[4:6] = np.frombuffer(dtype.encode()[:16].ljust(16, b"\0"), dtype=np.int64)
+        mine[6] = extra
+        table = np.zeros((self.n, DESC_WORDS), dtype=np.int64)
+        rows = {r: table[i] for i, r in enumerate(self.order)}
+        if self.comm:
+            with self._step(what):
+                self.comm.all_gather([rows[r].ctypes.data for r in self.local], as_buf(mine, writable=False,
+                                     who=f"rank {self.rank}: {what}"), -1, timeout)
+        else:
+            rows[self.rank][:] = mine
+        if self.is_leader:
+            k = self.node_of[self.rank]
+            self._exchange(what, [(self._block(table, k), dst) for dst in self.leaders if dst != self.rank],
+                           [(self._block(table, j), src) for j, src in enumerate(self.leaders)
+                            if src != self.rank], timeout)
+        self._local_broadcast(as_buf(table, writable=True, who=f"rank {self.rank}: {what}"),
+                              self.local[0], what, timeout)
+        if (table != table[0]).any():
+            calls = "; ".join(f"rank {r} called {_describe(rows[r])}" for r in self.group.ranks)
+            raise DistMismatchError(
+                f"rank {self.rank}: {what}: the ranks of group {list(self.group.ranks)} disagree: {calls}. "
+                "Every rank of a group must call the same collectives in the same order, with the same "
+                "sizes, dtypes, ops and roots")
+
+    def _block(self, table: np.ndarray, node: int) -> Buf:
+        """The table rows of one node's members, as a buffer."""
+        start = sum(len(m) for m in self.nodes[:node])
+        rows = table[start:start + len(self.nodes[node])]
+        return as_buf(rows, writable=True, who=f"rank {self.rank}")
+
+    # ------------------------------------------------------------ collectives
+
+    def barrier(self, timeout: float) -> None:
+        self._check("barrier", ("barrier", 0, 0, -1, "", 0), timeout)
+
+    def barrier_as(self, kind: str, dtype: str, timeout: float) -> None:
+        self._check(f"{kind} (uneven)", (kind, 0, 0, -1, dtype, 1), timeout)
+
+    def broadcast(self, buf, root: int, timeout: float) -> None:
+        """Inside the root's node, then root's leader to the other leaders,
+        then inside the other nodes."""
+        src = self.group.ranks[root]
+        what = f"broadcast(src={src}, {buf.describe()})"
+        self._check(what, ("broadcast", buf.nbytes, 0, root, buf.dtype, 0), timeout)
+        home = self.node_of[src] == self.node_of[self.rank]
+        if home:
+            self._local_broadcast(buf, src, what, timeout)
+        if self.is_leader:
+            first = self.leaders[self.node_of[src]]
+            if home:
+                self._exchange(what, [(buf, dst) for dst in self.leaders if dst != self.rank], [], timeout)
+            else:
+                self._exchange(what, [], [(buf, first)], timeout)
+        if not home:
+            self._local_broadcast(buf, self.local[0], what, timeout)
+
+    def all_reduce(self, buf, arr: np.ndarray, op: ReduceOp, timeout: float, root: int = -1) -> None:
+        """Reduce inside each node to its leader, all-reduce between the
+        leaders, then broadcast inside each node (all_reduce) or hand the
+        result to the root (reduce). AVG sums and divides once."""
+        kind = "all_reduce" if root < 0 else "reduce"
+        dst = self.group.ranks[root] if root >= 0 else -1
+        what = f"all_reduce({op.name}, {buf.describe()})" if root < 0 else \
+            f"reduce({op.name}, dst={dst}, {buf.describe()})"
+        self._check(what, (kind, buf.nbytes, int(op), root, buf.dtype, 0), timeout)
+        half = buf.dtype in ("float16", "bfloat16")
+        gets_result = root < 0 or dst == self.rank
+        # The node and leader steps run on ``work``: the tensor itself, or a copy (in float32
+        # for half floats, so that they are rounded once; a leader's own when its tensor stays).
+        if half:
+            work = _to_f32(arr, buf.dtype)
+        elif self.is_leader and not gets_result:
+            work = arr.copy()
+        else:
+            work = arr
+        wbuf = buf if work is arr else _array_buf(work, "float32" if half else buf.dtype)
+        if self.comm:
+            with self._step(what):
+                self.comm.all_reduce(wbuf, work, ReduceOp.SUM if op == ReduceOp.AVG else op, timeout, root=0)
+        result = wbuf
+        if self.is_leader:
+            self._leaders_reduce(work, op, wbuf.dtype, what, timeout)
+            if half:
+                out = arr if gets_result else np.empty_like(arr)
+                _from_f32(work, out, buf.dtype)
+                result = buf if gets_result else _array_buf(out, buf.dtype)
+        if root < 0:
+            self._local_broadcast(buf, self.local[0], what, timeout)
+        elif self.node_of[dst] == self.node_of[self.rank] and dst != self.local[0]:
+            if self.is_leader:
+                self._exchange(what, [(result, dst)], [], timeout)
+            elif self.rank == dst:
+                self._exchange(what, [], [(buf, self.local[0])], timeout)
+
+    def _leaders_reduce(self, work: np.ndarray, op: ReduceOp, dtype: str, what: str,
+                        timeout: float) -> None:
+        """Every leader sends its node's partial to the others and reduces
+        all of them in node order (so every leader ends with the same
+        bytes, and half floats are rounded once); AVG divides by the group
+        size here."""
+        who = f"rank {self.rank}: {what}"
+        got = {r: np.empty_like(work) for r in self.leaders if r != self.rank}
+        self._exchange(what, [(as_buf(work, writable=False, who=who), r) for r in got],
+                       [(as_buf(a, writable=True, who=who), r) for r, a in got.items()], timeout)
+        result = np.empty_like(work)
+        reduce_into(result, [work if r == self.rank else got[r] for r in self.leaders], op, dtype, self.n)
+        np.copyto(work, result)
+
+    def all_gather(self, outs: list, buf, root: int, timeout: float) -> None:
+        """all_gather: inside each node, between the leaders, then each
+        other node's pieces inside each node. gather: straight to the root."""
+        kind = "all_gather" if root < 0 else "gather"
+        dst = self.group.ranks[root] if root >= 0 else -1
+        what = f"all_gather({buf.describe()})" if root < 0 else f"gather(dst={dst}, {buf.describe()})"
+        self._check(what, (kind, buf.nbytes, 0, root, buf.dtype, 0), timeout)
+        index = {r: j for j, r in enumerate(self.group.ranks)}
+
+        def piece(r):
+            return _piece(outs[index[r]], buf.nbytes)
+
+        if root >= 0:
+            if self.rank != dst:
+                self._exchange(what, [(_piece(buf.addr, buf.nbytes), dst)], [], timeout)
+                return
+            _core.copy(outs[self.me], buf.addr, buf.nbytes)
+            self._exchange(what, [], [(piece(r), r) for r in self.group.ranks if r != self.rank], timeout)
+            return
+        if self.comm:
+            with self._step(what):
+                self.comm.all_gather([outs[index[r]] for r in self.local], buf, -1, timeout)
+        else:
+            _core.copy(outs[self.me], buf.addr, buf.nbytes)
+        if self.is_leader:
+            others = [k for k in range(len(self.nodes)) if self.nodes[k] is not self.local]
+            self._exchange(what, [(piece(r), self.leaders[k]) for k in others for r in self.local],
+                           [(piece(r), self.leaders[k]) for k in others for r in self.nodes[k]], timeout)
+        for r in self.group.ranks:
+            if r not in self.local:
+                self._local_broadcast(piece(r), self.local[0], what, timeout)
+
+    def scatter(self, ins: list, buf, root: int, timeout: float) -> None:
+        """The root sends each rank its piece."""
+        src = self.group.ranks[root]
+        what = f"scatter(src={src}, {buf.describe()})"
+        self._check(what, ("scatter", buf.nbytes, 0, root, buf.dtype, 0), timeout)
+        if self.rank != src:
+            self._exchange(what, [], [(_piece(buf.addr, buf.nbytes), src)], timeout)
+            return
+        _core.copy(buf.addr, ins[self.me], buf.nbytes)
+        self._exchange(what, [(_piece(ins[j], buf.nbytes), r)
+                              for j, r in enumerate(self.group.ranks) if r != self.rank], [], timeout)
+
+    def reduce_scatter(self, out_buf, out_arr: np.ndarray, ins: list, in_arrs: list, op: ReduceOp,
+                       timeout: float) -> None:
+        """Each rank sends its j-th input to rank j and reduces what it gets,
+        in group rank order."""
+        what = f"reduce_scatter({op.name}, {out_buf.describe()} per rank)"
+        self._check(what, ("reduce_scatter", out_buf.nbytes, int(op), -1, out_buf.dtype, 0), timeout)
+        got = {r: np.empty_like(out_arr) for r in self.group.ranks if r != self.rank}
+        self._exchange(what, [(_piece(ins[j], out_buf.nbytes), r)
+                              for j, r in enumerate(self.group.ranks) if r != self.rank],
+                       [(_piece(a.ctypes.data, out_buf.nbytes), r) for r, a in got.items()],
+                       timeout)
+        inputs = [in_arrs[self.me] if r == self.rank else got[r] for r in self.group.ranks]
+        reduce_into(out_arr, inputs, op, out_buf.dtype, self.n)
+
+    def all_to_all(self, outs: list, ins: list, piece: int, dtype: str, timeout: float) -> None:
+        """Each rank sends its j-th input to rank j."""
+        what = f"all_to_all({piece} bytes per pair)"
+        self._check(what, ("all_to_all", piece, 0, -1, dtype, 0), timeout)
+        _core.copy(outs[self.me], ins[self.me], piece)
+        others = [(j, r) for j, r in enumerate(self.group.ranks) if r != self.rank]
+        self._exchange(what, [(_piece(ins[j], piece), r) for j, r in others],
+                       [(_piece(outs[j], piece), r) for j, r in others], timeout)
+
+
+def _describe(row: np.ndarray) -> str:
+    kind, nbytes, op, root = (int(x) for x in row[:4])
+    dtype = row[4:6].tobytes().rstrip(b"\0").decode(errors="replace")
+    return collectives._describe((0, kind, nbytes, op, root, dtype.encode(), 0))

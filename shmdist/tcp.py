@@ -1,0 +1,435 @@
+"""The TCP transport: channels to the ranks on other hosts.
+
+A ``Link`` is one connection to one remote rank and offers the channel
+interface of ``_core.Ring`` (``push``, ``peek``, ``pull``), so the engine
+matches and waits the same way over both transports. On the wire a record
+is the engine's header (HEADER_BYTES, starting with its magic and version
+word) followed by the payload; the ring's padding is not sent. Payloads go
+straight from the sender's tensor into the socket and from the socket into
+the receiver's tensor (``recv_into`` on a view of the target address).
+
+Sockets are non-blocking and only the engine's thread reads and writes
+them. When one would block, the link asks the I/O thread to watch it; the
+I/O thread sleeps in ``poll`` and, when a watched socket can move, rings
+this process's doorbell so that an engine wait wakes up and moves it.
+
+Connections are made eagerly at init, one per pair of ranks on different
+hosts: each rank listens on a port advertised through the store, connects
+to the lower ranks and accepts the higher ones. Both ends prove the job
+(a digest of everyone's init record) and, with ``SHMDIST_SECRET`` set,
+the secret (HMAC of the other side's nonce, as the store does); a peer
+that cannot is refused.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import hmac
+import json
+import mmap
+import os
+import select
+import socket
+import struct
+import threading
+import time
+import warnings
+
+import numpy as np
+
+from shmdist import _core
+from shmdist.engine import HDR, MAGIC, VERSION
+from shmdist.errors import DistError, DistPeerError, DistTimeoutError
+from shmdist.rendezvous import SECRET_ENV, PrefixStore
+from shmdist.tensors import MAX_DIMS
+
+ADDR_ENV = "SHMDIST_TCP_ADDR"   # the address this rank listens on, when the default is wrong
+HELLO = struct.Struct("<IHHi16s32s")   # magic, version, 0, rank, nonce, job digest
+HELLO_MAGIC = 0x50435444              # "DTCP"
+PROOF_BYTES = 32
+MAX_NDIM = 64                          # torch and numpy allow no more dimensions
+TORCH_ITEMSIZE = {"bfloat16": 2, "complex32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
+                  "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
+_DTYPE_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789_[]")
+_PHYSICAL_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class FrameError(DistPeerError):
+    """A remote rank sent bytes that are not a well-formed shmdist record."""
+
+    def __init__(self, me: int, peer: int, detail: str):
+        super().__init__(
+            f"rank {me}: receive over TCP: rank {peer} sent a malformed message ({detail}); only "
+            "shmdist ranks of this job and of the same version may connect to each other's ports "
+            f"(set {SECRET_ENV} in every rank to refuse anything else)")
+        self.peer, self.detail = peer, detail
+
+
+def _itemsize(name: str) -> int | None:
+    if name in TORCH_ITEMSIZE:
+        return TORCH_ITEMSIZE[name]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return np.dtype(name).itemsize
+    except (TypeError, ValueError, SyntaxError):
+        return None
+
+
+def check_header(raw: bytes, peer: int, me: int) -> None:
+    """Raise FrameError unless ``raw`` (HEADER_BYTES received from rank
+    ``peer``) is a record header that rank could have sent: our magic and
+    version, its own rank as source, a dtype name, a shape that accounts
+    for the length, and a length a host could hold."""
+    magic, version, ndim, _tag, _gid, src, _, nbytes, dtype, *dims = HDR.unpack(raw)
+    if magic != MAGIC:
+        raise FrameError(me, peer, f"bad magic {magic:#010x}, expected {MAGIC:#010x}")
+    if version != VERSION:
+        raise FrameError(me, peer, f"protocol version {version}, this rank speaks {VERSION}")
+    if src != peer:
+        raise FrameError(me, peer, f"it claims to come from rank {src}")
+    name = dtype.rstrip(b"\0")
+    if not name or not set(name) <= _DTYPE_CHARS:
+        raise FrameError(me, peer, f"dtype {dtype!r} is not a dtype name")
+    if nbytes > _PHYSICAL_BYTES:
+        raise FrameError(me, peer, f"length {nbytes} exceeds this host's {_PHYSICAL_BYTES} bytes of memory")
+    if ndim > MAX_NDIM:
+        raise FrameError(me, peer, f"{ndim} dimensions, at most {MAX_NDIM} exist")
+    if ndim > MAX_DIMS:
+        return      # the header carries no shape then, only the length
+    shape = dims[:ndim]
+    if any(d < 0 for d in shape) or any(dims[ndim:]):
+        raise FrameError(me, peer, f"shape {tuple(dims)} for {ndim} dimensions")
+    itemsize = _itemsize(name.decode())
+    if itemsize is not None and itemsize * int(np.prod(shape, dtype=object)) != nbytes:
+        raise FrameError(me, peer, f"length {nbytes} does not match {name.decode()}{list(shape)}")
+
+
+def _memory(addr: int, nbytes: int) -> memoryview:
+    """A writable view of ``nbytes`` at ``addr`` (the engine keeps the owner alive)."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(addr))
+
+
+class Link:
+    """The connection to one remote rank, in both directions (a channel)."""
+
+    def __init__(self, transport: "Transport", sock: socket.socket, peer: int):
+        self.transport = transport
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.me, self.peer = transport.rank, peer
+        self.armed = 0               # poll events the I/O thread watches for us
+        self.broken: str | None = None
+        self.head = bytearray(_core.HEADER_BYTES)
+        self.got = 0                 # bytes of the next header received
+
+    # ------------------------------------------------------------ channel interface
+
+    def push(self, header: bytes, addr: int, nbytes: int, pos: int) -> int:
+        """Send what the socket takes of one record from offset ``pos``."""
+        if self.broken or self.armed & select.POLLOUT:
+            return pos
+        end = _core.HEADER_BYTES + nbytes
+        try:
+            while pos < end:
+                if pos < _core.HEADER_BYTES:
+                    parts = [memoryview(header)[pos:]] + ([_memory(addr, nbytes)] if nbytes else [])
+                    pos += self.sock.sendmsg(parts)
+                else:
+                    pos += self.sock.send(_memory(addr + pos - _core.HEADER_BYTES, end - pos))
+        except BlockingIOError:
+            self._arm(select.POLLOUT)
+            return pos
+        except OSError as e:
+            self._break(f"closed its connection ({e.strerror})")
+            return pos
+        return _core.record_bytes(nbytes)
+
+    def peek(self) -> bytes | None:
+        """The next record's header once it has fully arrived and is well formed."""
+        if self.broken or self.armed & select.POLLIN:
+            return None
+        while self.got < _core.HEADER_BYTES:
+            n = self._read(memoryview(self.head)[self.got:])
+            if not n:
+                return None
+            self.got += n
+        header = bytes(self.head)
+        try:
+            check_header(header, self.peer, self.me)
+        except FrameError as e:
+            self._break(f"sent a malformed message ({e.detail})")
+            return None
+        return header
+
+    def pull(self, addr: int, nbytes: int, pos: int) -> int:
+        """Receive what has arrived of the payload after a peeked header,
+        straight into ``addr``."""
+        if pos < _core.HEADER_BYTES:
+            pos, self.got = _core.HEADER_BYTES, 0
+        end = _core.HEADER_BYTES + nbytes
+        while pos < end and not (self.broken or self.armed & select.POLLIN):
+            n = self._read(_memory(addr + pos - _core.HEADER_BYTES, end - pos))
+            if not n:
+                break
+            pos += n
+        return _core.record_bytes(nbytes) if pos == end else pos
+
+    def gone(self) -> str | None:
+        """None while the connection is up; else what happened to it."""
+        if self.broken is None:
+            try:
+                if self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    self._break("closed its connection (it exited, crashed, or called "
+                                "destroy_process_group)")
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                self._break(f"closed its connection ({e.strerror})")
+        return self.broken
+
+    # ------------------------------------------------------------ helpers
+
+    def _read(self, view: memoryview) -> int:
+        """Bytes read into ``view``; 0 when none arrived (then the I/O
+        thread watches the socket) or the connection is gone."""
+        try:
+            n = self.sock.recv_into(view)
+        except BlockingIOError:
+            self._arm(select.POLLIN)
+            return 0
+        except OSError as e:
+            self._break(f"closed its connection ({e.strerror})")
+            return 0
+        if n == 0:
+            self._break("closed its connection (it exited, crashed, or called destroy_process_group)")
+        return n
+
+    def _arm(self, event: int) -> None:
+        self.transport.watch(self, event)
+
+    def _break(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class Transport:
+    """This rank's links to the ranks on other hosts, and the I/O thread.
+
+    ``secret`` (SHMDIST_SECRET) must be the same on both ends of a link. ``ctl`` is the control block whose doorbell the engine waits on; without
+    one (backend "tcp") the transport makes a private doorbell. ``ctl_memory``
+    is an object that keeps ``ctl`` mapped: the I/O thread may ring it until
+    the process ends.
+    """
+
+    def __init__(self, rank: int, remote: list[int], store, job: bytes, timeout: float, who: str,
+                 secret: str | None, ctl: int | None = None, ctl_memory=None):
+        self.rank = rank
+        self.secret = secret
+        if ctl is None:
+            ctl_memory = np.frombuffer(mmap.mmap(-1, _core.CTL_BYTES), dtype=np.uint8)
+            ctl = ctl_memory.ctypes.data
+        self.ctl, self.ctl_memory = ctl, ctl_memory
+        self.lock = threading.Lock()
+        self.changed: list[Link] = []
+        self.closed = False
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        self.links: dict[int, Link] = {}
+        self.thread = threading.Thread(target=self._loop, name="shmdist-tcp", daemon=True)
+        try:
+            self._connect_all(remote, store, job, timeout, who)
+        except BaseException:
+            self.close()
+            raise
+        self.thread.start()
+
+    # ------------------------------------------------------------ connections
+
+    def _proof(self, role: bytes, nonce: bytes, job: bytes) -> bytes:
+        if not self.secret:
+            return bytes(PROOF_BYTES)
+        return hmac.new(self.secret.encode(), role + nonce + job, hashlib.sha256).digest()
+
+    def _connect_all(self, remote, store, job, timeout, who) -> None:
+        addr = _listen_address(store)
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        try:
+            listener = socket.create_server((addr, 0), family=family, backlog=len(remote) + 16)
+        except OSError as e:
+            raise DistError(f"{who}: cannot listen for TCP peers on {addr} ({e.strerror}); set "
+                            f"{ADDR_ENV} to an address of this host the other hosts can reach") from e
+        with listener:
+            store.set(f"tcp/{self.rank}", json.dumps([addr, listener.getsockname()[1]]).encode())
+            deadline = time.monotonic() + timeout
+            for peer in sorted(r for r in remote if r < self.rank):
+                where = tuple(json.loads(store.get(f"tcp/{peer}", timeout)))
+                self._add(peer, self._connect(peer, where, job, deadline, who))
+            self._accept(listener, sorted(r for r in remote if r > self.rank), job, deadline, who)
+
+    def _add(self, peer: int, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.links[peer] = Link(self, sock, peer)
+
+    def _connect(self, peer, where, job, deadline, who) -> socket.socket:
+        nonce = os.urandom(16)
+        try:
+            sock = socket.create_connection(where, timeout=max(0.1, deadline - time.monotonic()))
+        except OSError as e:
+            raise DistError(f"{who}: cannot connect to rank {peer} at {where[0]}:{where[1]} ({e}); "
+                            "check that the hosts reach each other on that address (a firewall?), or "
+                            f"set {ADDR_ENV} on rank {peer} to an address this host can reach") from e
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(HELLO.pack(HELLO_MAGIC, VERSION, 0, self.rank, nonce, job))
+            magic, version, _, rank, their_nonce, their_job = HELLO.unpack(_recv_exact(sock, HELLO.size))
+            proof = _recv_exact(sock, PROOF_BYTES)
+            if (magic, version, rank, their_job) != (HELLO_MAGIC, VERSION, peer, job):
+                raise ConnectionError(f"the listener is not rank {peer} of this job")
+            if not hmac.compare_digest(proof, self._proof(b"accept", nonce, job)):
+                raise ConnectionError(f"it failed the {SECRET_ENV} check")
+            sock.sendall(self._proof(b"connect", their_nonce, job))
+            if _recv_exact(sock, 1) != b"\1":
+                raise ConnectionError("it refused this rank")
+        except (OSError, ConnectionError) as e:
+            sock.close()
+            if isinstance(e, socket.timeout):
+                raise DistTimeoutError(f"{who}: rank {peer} at {where[0]}:{where[1]} did not answer the "
+                                       "TCP handshake in time; is it still starting?") from e
+            raise DistPeerError(f"{who}: TCP handshake with rank {peer} at {where[0]}:{where[1]} failed "
+                                f"({e}); start every rank with the same {SECRET_ENV} (or none)") from e
+        return sock
+
+    def _accept(self, listener, expected, job, deadline, who) -> None:
+        waiting = set(expected)
+        refused = 0
+        while waiting:
+            left = deadline - time.monotonic()
+            listener.settimeout(max(0.0, left))
+            try:
+                sock, _ = listener.accept()
+            except socket.timeout:
+                extra = (f"; {refused} connection(s) failed the job or {SECRET_ENV} check"
+                         if refused else "")
+                raise DistTimeoutError(
+                    f"{who}: rank(s) {sorted(waiting)} on other hosts did not connect to this rank "
+                    f"within the timeout{extra}; check that they run, share the same {SECRET_ENV}, "
+                    "and can reach this host") from None
+            peer = self._handshake(sock, waiting, job, deadline)
+            if peer is None:
+                refused += 1
+                sock.close()
+                continue
+            waiting.discard(peer)
+            self._add(peer, sock)
+
+    def _handshake(self, sock, waiting, job, deadline) -> int | None:
+        """The connecting rank, or None when it is not one we wait for or
+        cannot prove the job and the secret."""
+        nonce = os.urandom(16)
+        try:
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            magic, version, _, peer, their_nonce, their_job = HELLO.unpack(_recv_exact(sock, HELLO.size))
+            if (magic, version, their_job) != (HELLO_MAGIC, VERSION, job) or peer not in waiting:
+                return None
+            sock.sendall(HELLO.pack(HELLO_MAGIC, VERSION, 0, self.rank, nonce, job)
+                         + self._proof(b"accept", their_nonce, job))
+            if not hmac.compare_digest(_recv_exact(sock, PROOF_BYTES), self._proof(b"connect", nonce, job)):
+                return None
+            sock.sendall(b"\1")
+            sock.settimeout(None)
+            return peer
+        except (OSError, ConnectionError):
+            return None
+
+    # ------------------------------------------------------------ the I/O thread
+
+    def watch(self, link: Link, event: int) -> None:
+        """Have the I/O thread ring the doorbell once ``link`` can ``event``."""
+        with self.lock:
+            if link.broken or link.armed & event:
+                return
+            link.armed |= event
+            self.changed.append(link)
+            if len(self.changed) == 1:
+                os.write(self.wake_w, b"\0")
+
+    def _loop(self) -> None:
+        poller = select.poll()
+        poller.register(self.wake_r, select.POLLIN)
+        watched: dict[int, Link] = {}
+        while True:
+            for fd, events in poller.poll():
+                if fd == self.wake_r:
+                    os.read(self.wake_r, 4096)
+                    with self.lock:
+                        if self.closed:
+                            return
+                        for link in self.changed:
+                            if link.fd in watched:
+                                poller.modify(link.fd, link.armed)
+                            else:
+                                poller.register(link.fd, link.armed)
+                                watched[link.fd] = link
+                        self.changed = []
+                    continue
+                link = watched[fd]
+                with self.lock:
+                    if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                        link.armed = 0
+                        poller.unregister(fd)
+                        del watched[fd]
+                    else:
+                        link.armed &= ~events
+                        poller.modify(fd, link.armed)
+                _core.ring_bell(self.ctl)
+
+    def close(self) -> None:
+        """Stop the I/O thread and close every connection."""
+        with self.lock:
+            self.closed = True
+        os.write(self.wake_w, b"\0")
+        if self.thread.is_alive():
+            self.thread.join()
+        for link in self.links.values():
+            link._break("left the group (destroy_process_group)")
+            link.sock.close()
+        self.links = {}
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("the connection closed during the handshake")
+        got += k
+    return bytes(buf)
+
+
+def _listen_address(store) -> str:
+    """SHMDIST_TCP_ADDR, else the address through which this host reaches
+    the rendezvous store's master, else the host name's address."""
+    forced = os.environ.get(ADDR_ENV)
+    if forced:
+        return forced
+    while isinstance(store, PrefixStore):
+        store = store.store
+    sock = getattr(store, "sock", None)
+    if isinstance(sock, socket.socket):
+        return sock.getsockname()[0]
+    return socket.gethostbyname(socket.gethostname())
+
+
+def job_digest(records: list) -> bytes:
+    """What both ends of a connection must agree on: every rank's init record."""
+    return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).digest()
