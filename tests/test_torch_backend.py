@@ -211,7 +211,7 @@ def test_every_call_matches_gloo(run_ranks):
 
 # ---------------------------------------------------------------- things gloo gets wrong or lacks
 
-def strided_and_half(rank, world_size, init_method):
+def strided_and_subgroups(rank, world_size, init_method):
     gloo = _init(rank, world_size, init_method)
     me, n = rank, world_size
     for dtype in ("float32", "float16", "bfloat16", "int64"):
@@ -263,7 +263,7 @@ def strided_and_half(rank, world_size, init_method):
 
 
 def test_strided_tensors_and_subgroups(run_ranks):
-    assert run_ranks(strided_and_half, 3, timeout=180) == [True] * 3
+    assert run_ranks(strided_and_subgroups, 3, timeout=180) == [True] * 3
 
 
 def refused(rank, world_size, init_method, file_method):
