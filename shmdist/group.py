@@ -75,6 +75,7 @@ class World:
         self.store = store
         self.owned_store = owned_store
         self.host = None
+        self.tcp = None
         self.engine = None
         self.groups: list[ProcessGroup] = []
         self.default: ProcessGroup | None = None
@@ -93,6 +94,8 @@ class World:
             g.destroyed = True
             if g.coll is not None:
                 g.coll.close()
+        if self.tcp is not None:
+            self.tcp.close()
         if self.engine is not None:
             self.engine.close()
         if self.host is not None:
@@ -213,7 +216,6 @@ def _setup(w: World) -> None:
         w.host = ShmHost.open(store, f"seg/{me['host']}", local, w.rank, who, w.timeout)
         out, inc, ctl, ctl_memory = dict(w.host.out), dict(w.host.inc), w.host.my_ctl, w.host.seg.array
         peer_ctls = {r: c for r, c in w.host.ctls.items() if r != w.rank}
-    w.tcp = None
     if remote:
         from shmdist import tcp   # loads only when a job spans hosts
         w.tcp = tcp.Transport(w.rank, remote, store, tcp.job_digest(infos), w.timeout, who,
@@ -390,8 +392,8 @@ def batch_isend_irecv(p2p_op_list) -> list[DistributedRequest]:
 def memory_usage() -> dict:
     """Bytes of shared memory this rank maps, by purpose."""
     w = world("memory_usage")
-    out = dict(w.host.memory())
+    out = dict(w.host.memory()) if w.host is not None else {"segment_bytes": 0}
     arenas = sum(g.coll.arena_bytes() for g in w.groups if g.coll is not None)
     out["collective_arenas"] = arenas
-    out["total_mapped"] = w.host.seg.size + arenas
+    out["total_mapped"] = out["segment_bytes"] + arenas
     return out
