@@ -43,8 +43,9 @@ ALL_REDUCE_SIZES = (4 * KiB, MiB, 16 * MiB, 64 * MiB)
 BROADCAST_SIZES = (16 * MiB,)
 KINDS = ("latency", "bandwidth", "all_reduce", "broadcast", "barrier", "idle")
 COLLECTIVES = ("all_reduce", "broadcast", "barrier")
-BACKENDS = ("shmdist", "gloo", "mpi", "memcpy")
-PEERS_ORDER = ("shmdist", "gloo", "MPICH", "Open MPI", "memcpy")
+BACKENDS = ("shmdist", "shmdist-tcp", "gloo", "mpi", "memcpy")
+PEERS_ORDER = ("shmdist", "shmdist tcp", "gloo", "MPICH", "Open MPI", "memcpy")
+OURS = ("shmdist", "shmdist tcp", "memcpy")   # not peers: the ratio compares shmdist with the others
 IDLE_SECONDS = 1.0
 BANDWIDTH_WINDOW = 32 * MiB      # bytes in flight per bandwidth iteration (at most 64 messages)
 LINE = "@shmdist-bench "         # prefix of the lines rank 0 reports on stdout
@@ -83,10 +84,10 @@ def plan(kinds, ranks) -> list[Point]:
 # ================================================================ rank side
 
 class ShmdistComm:
-    def __init__(self, rank: int, world: int, port: int, timeout: float):
+    def __init__(self, rank: int, world: int, port: int, timeout: float, backend: str = "shm"):
         import shmdist
         self.d = shmdist
-        shmdist.init_process_group("shm", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        shmdist.init_process_group(backend, f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                    timeout=timeout)
         self.rank, self.size = rank, world
         self.version = f"shmdist {shmdist.__version__}"
@@ -329,6 +330,8 @@ def worker(args) -> int:
     settings = json.loads(args.settings)
     if args.worker == "shmdist":
         comm = ShmdistComm(args.rank, args.world, args.port, args.timeout)
+    elif args.worker == "shmdist-tcp":
+        comm = ShmdistComm(args.rank, args.world, args.port, args.timeout, backend="tcp")
     elif args.worker == "gloo":
         comm = GlooComm(args.rank, args.world, args.port, args.timeout)
     elif args.worker == "mpi":
@@ -390,6 +393,8 @@ def detect(args) -> tuple[list[Backend], list[str]]:
     backends, notes = [], []
     if "shmdist" in wanted:
         backends.append(Backend("shmdist", "shmdist", sys.executable))
+    if "shmdist-tcp" in wanted:      # the TCP transport, to show the gap to shared memory
+        backends.append(Backend("shmdist tcp", "shmdist-tcp", sys.executable))
     if "gloo" in wanted:
         import importlib.util
         if importlib.util.find_spec("torch") is None:
@@ -587,7 +592,7 @@ def table(rows, labels, results) -> str:
         if p.kind == "idle" or p.kind == "barrier":
             cells = [c if lab != "memcpy" else "—" for c, lab in zip(cells, labels)]
         mine = cost(results.get(("shmdist", p)))
-        peers = [(c, lab) for lab in labels if lab not in ("shmdist", "memcpy")
+        peers = [(c, lab) for lab in labels if lab not in OURS
                  for c in [cost(results.get((lab, p)))] if c is not None]
         ratio = "—"
         if mine is not None and peers:
