@@ -17,21 +17,21 @@ from shmdist import _core, segment
 
 _LAYOUT = struct.Struct("<QQ")          # ring bytes, local ranks; after the segment header
 _LAYOUT_AT = 64
-DEFAULT_RING_BYTES = 1 << 20            # per ordered pair, up to 8 local ranks
-SMALL_RING_BYTES = 1 << 18              # per ordered pair beyond 8 local ranks
+RING_BYTES_BY_RANKS = ((4, 2 << 20), (8, 1 << 20))   # up to N local ranks: bytes per ordered pair
+SMALL_RING_BYTES = 1 << 18                          # beyond: 16 ranks stay under 64 MiB
 RING_ENV = "SHMDIST_RING_BYTES"
 
 
 def ring_bytes_for(nlocal: int) -> int:
-    """Ring size per ordered pair: SHMDIST_RING_BYTES, else by rank count so
-    that 16 local ranks stay under 64 MiB of /dev/shm."""
+    """Ring size per ordered pair: SHMDIST_RING_BYTES, else by rank count.
+    With few ranks a 1 MiB message and its header fit in one ring fill."""
     raw = os.environ.get(RING_ENV)
     if raw:
         value = int(raw, 0)
         if value < 4096 or value & (value - 1):
             raise ValueError(f"{RING_ENV}={raw}: the ring size must be a power of two >= 4096")
         return value
-    return DEFAULT_RING_BYTES if nlocal <= 8 else SMALL_RING_BYTES
+    return next((size for most, size in RING_BYTES_BY_RANKS if nlocal <= most), SMALL_RING_BYTES)
 
 
 def _align(n: int, a: int = 4096) -> int:
