@@ -227,9 +227,17 @@ def dies_in_init_slowly(rank, world_size, init_method, deathfile):
 
 # ---------------------------------------------------------------- point to point
 
+def _wait_for(path: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 class _DyingChannel:
-    """Wraps one ring of the victim: the victim dies once more than ``limit``
-    bytes of the record moving through it have been pushed (or pulled)."""
+    """Wraps one ring of the victim: the victim dies when asked to push (or
+    pull) more of a record of which more than ``limit`` bytes already moved.
+    A push or pull streams for as long as the other side keeps up, so the
+    tests make the partner hold still while the victim moves its first part."""
 
     def __init__(self, chan, limit: int, deathfile: str):
         self.chan, self.limit, self.deathfile = chan, limit, deathfile
@@ -257,7 +265,7 @@ def dies_in_p2p(rank, world_size, init_method, phase, victim, deathfile):
     partner = (victim + 1) % world_size
     if rank == victim and phase in ("send", "recv"):
         engine = group._world.engine
-        limit = 3 * dist.memory_usage()["ring_bytes_per_pair"]
+        limit = dist.memory_usage()["ring_bytes_per_pair"] // 2
         if phase == "send":
             engine.chan_out[partner] = _DyingChannel(engine.chan_out[partner], limit, deathfile)
         else:
@@ -265,20 +273,28 @@ def dies_in_p2p(rank, world_size, init_method, phase, victim, deathfile):
                               for src, chan in engine.chan_in]
     dist.barrier()
     big = np.full(BIG // 8, rank, dtype=np.int64)
+    posted = deathfile + ".posted"
     if rank == victim:
         if phase == "send":
-            dist.send(big, dst=partner).wait()
+            req = dist.send(big, dst=partner)       # fills the ring; the rest waits
+            open(posted, "w").close()
+            req.wait()                              # the next push dies, the message half sent
         elif phase == "recv":
-            dist.recv(big, src=partner).wait()
+            _wait_for(posted)
+            dist.recv(big, src=partner).wait()      # the second pull dies, the message half received
         else:   # "recv-any": the victim dies idle while the partner waits for anyone
             time.sleep(0.5)
             _die(deathfile)
         raise AssertionError("the victim outlived its phase")
     if rank == partner:
         if phase == "send":
+            _wait_for(posted)
             result = _outcome(lambda: dist.recv(big, src=victim).wait())
         elif phase == "recv":
-            result = _outcome(lambda: dist.send(big, dst=victim).wait())
+            req = dist.send(big, dst=victim)
+            open(posted, "w").close()
+            _wait_for(deathfile, 10)    # not streaming meanwhile, so the victim's pull stops mid-record
+            result = _outcome(lambda: req.wait())
         else:
             result = _outcome(lambda: dist.recv(big[:1], src=None, tag=7).wait())
         open(deathfile + ".partner-done", "w").close()

@@ -127,6 +127,48 @@ def test_a_small_dev_shm_runs_with_smaller_rings(tmp_path):
     assert result.stdout.count("all_reduce ok 4") == 4
 
 
+def init_under_a_limit(rank, world_size, init_method, which, extra):
+    """Rank 0 runs init with RLIMIT_NOFILE or RLIMIT_AS just above what it uses now."""
+    if rank == 0:
+        if which == "nofile":
+            used = len(os.listdir("/proc/self/fd"))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (used + extra, used + extra))
+        else:
+            with open("/proc/self/status") as f:
+                vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+            resource.setrlimit(resource.RLIMIT_AS, (vm + extra, vm + extra))
+    try:
+        dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=3)
+    except Exception as e:      # noqa: BLE001 - the test checks which kind
+        return isinstance(e, dist.DistError), f"{type(e).__name__}: {e}"
+    dist.destroy_process_group()
+    return True, "ok"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "rendezvous.py:75 _StoreServer.__init__ (socket.socketpair), and the other sockets and pidfds "
+    "made during init, let EMFILE escape as a bare OSError 'Too many open files' instead of a "
+    "DistError naming the operation and the fix (raise the limit: ulimit -n). Fix: catch OSError "
+    "EMFILE/ENFILE around init's socket and pidfd creation and re-raise DistError"))
+def test_running_out_of_file_descriptors_is_a_clear_error(run_ranks, no_leaks):
+    results = run_ranks(init_under_a_limit, 2, "nofile", 2, errors="return", timeout=60)
+    print(f"\nRESOURCES 2 spare fds: {results}")
+    is_dist_error, message = results[0]
+    assert is_dist_error and "ulimit" in message, message
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "segment.py:85 create() (and attach()) call mmap.mmap unguarded: when the address space limit "
+    "or vm.max_map_count refuses the mapping, a bare OSError 'Cannot allocate memory' escapes "
+    "instead of a DistError naming the size and the fix. Fix: wrap mmap in create/attach like _fill"))
+def test_a_mapping_refused_by_the_address_space_limit_is_a_clear_error(run_ranks, no_leaks):
+    results = run_ranks(init_under_a_limit, 2, "as", 32 << 20, env={"SHMDIST_RING_BYTES": str(64 << 20)},
+                        errors="return", timeout=60)
+    print(f"\nRESOURCES RLIMIT_AS +32 MiB, 64 MiB rings: {results}")
+    is_dist_error, message = results[0]
+    assert is_dist_error and "MiB" in message, message
+
+
 # ---------------------------------------------------------------- two jobs on one host
 
 def job_member(rank, world_size, init_method, job_tag):
