@@ -299,7 +299,7 @@ def _splits(w, who, buf, sizes, n, what):
 
 def _exchange(w, g, comm, who, outs, ins):
     """Equal pieces go through the arena; uneven ones by point-to-point
-    messages between the pairs (sizes are checked by the receives)."""
+    messages between the pairs, after every rank checked all the sizes."""
     for b in ins + outs:
         if b.dtype != ins[0].dtype:
             raise DistMismatchError(f"{who}: every tensor must have one dtype; got {ins[0].dtype} and "
@@ -311,7 +311,23 @@ def _exchange(w, g, comm, who, outs, ins):
             comm.all_to_all([o.addr for o in outs], [i.addr for i in ins], piece, ins[0].dtype, g.timeout)
             return
         comm.barrier_as("all_to_all", ins[0].dtype, g.timeout)
+        _check_sizes(g, comm, who, outs, ins)
         _exchange_p2p(w, g, who, outs, ins)
+
+
+def _check_sizes(g, comm, who, outs, ins):
+    """Every rank learns every pair's send and receive sizes, so a
+    disagreement raises the same error everywhere before any byte moves."""
+    n = g.size()
+    row = np.array([b.nbytes for b in ins] + [b.nbytes for b in outs], dtype=np.int64)
+    table = np.zeros((n, 2 * n), dtype=np.int64)
+    comm.all_gather([table[j].ctypes.data for j in range(n)], as_buf(row, writable=False, who=who), -1,
+                    g.timeout)
+    bad = [f"rank {g.ranks[i]} sends rank {g.ranks[j]} {table[i, j]} bytes, which expects {table[j, n + i]}"
+           for i in range(n) for j in range(n) if table[i, j] != table[j, n + i]]
+    if bad:
+        raise DistMismatchError(f"{who}: the split sizes of the ranks disagree: {'; '.join(bad)}. Give "
+                                "every rank output split sizes that equal what the others send it")
 
 
 def _exchange_p2p(w, g, who, outs, ins):
@@ -320,9 +336,6 @@ def _exchange_p2p(w, g, who, outs, ins):
     reqs = []
     for j, r in enumerate(g.ranks):
         if j == me:
-            if outs[j].nbytes != ins[j].nbytes:
-                raise DistMismatchError(f"{who}: this rank sends itself {ins[j].describe()} but expects "
-                                        f"{outs[j].describe()}")
             _core.copy(outs[j].addr, ins[j].addr, ins[j].nbytes)
             continue
         rq = DistributedRequest(w.engine, f"{who.partition(': ')[2]} receive from rank {r}")

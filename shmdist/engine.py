@@ -292,6 +292,8 @@ class Engine:
             if gone:
                 self.dead[peer] = gone
             return gone
+        if peer in self.peer_ctls and _core.ctl_closed(self.peer_ctls[peer]):
+            return "left the group (destroy_process_group)"   # then maybe exited: still a clean leave
         fd = self.pidfds.get(peer, -1)
         gone = None
         if fd is None:
@@ -304,9 +306,7 @@ class Engine:
             p.register(fd, select.POLLIN)
             if p.poll(0):
                 gone = "died"
-        if gone is None and peer in self.peer_ctls and _core.ctl_closed(self.peer_ctls[peer]):
-            gone = "left the group (destroy_process_group)"
-        if gone == "died":
+        if gone:
             self.dead[peer] = gone
         return gone
 

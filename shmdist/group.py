@@ -196,8 +196,10 @@ def _setup(w: World) -> None:
     me = {"world_size": w.world_size, "host": rendezvous.host_identity(), "pid": os.getpid(),
           "backend": w.backend}
     store.set(f"info/{w.rank}", json.dumps(me).encode())
-    infos = [json.loads(store.get(f"info/{r}", w.timeout)) for r in range(w.world_size)]
-    for r, info in enumerate(infos):
+    infos = []
+    for r in range(w.world_size):   # check each as it comes: a rank told a larger world must not wait
+        info = json.loads(store.get(f"info/{r}", w.timeout))   # for ranks that will never exist
+        infos.append(info)
         if info["world_size"] != w.world_size:
             raise DistMismatchError(f"{who}: rank {r} was started with world_size {info['world_size']} "
                                     f"but this rank with {w.world_size}; start every rank with the same "

@@ -111,7 +111,8 @@ class Job:
 
     def __init__(self, a: argparse.Namespace):
         self.a = a
-        self.job_id = secrets.token_hex(6)
+        inherited = os.environ.get(JOB_ENV)   # a launcher inside a test or another job: nest its id
+        self.job_id = f"{inherited}-{secrets.token_hex(6)}" if inherited else secrets.token_hex(6)
         self.port = a.master_port or _free_port()
         self.procs: dict[int, subprocess.Popen] = {}   # global rank -> its process
         self.copiers: list[threading.Thread] = []
