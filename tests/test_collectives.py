@@ -595,3 +595,32 @@ def test_0d_and_empty_tensors(run_ranks):
     results = run_ranks(edge_shapes, 3, timeout=60)
     assert results == [{"all_reduce 0-d numpy": 7.5, "all_reduce 0-d torch, torch ReduceOp": 24,
                         "broadcast 0-d": 10.0, "empty tensors": (0,), "after": [3]}] * 3
+
+
+# ---------------------------------------------------------------- split sizes that disagree
+
+def _exchange_rows(rank, output_split_sizes, input_split_sizes):
+    inp = np.arange(sum(input_split_sizes), dtype=np.float32) + 10 * rank
+    out = np.zeros(sum(output_split_sizes), dtype=np.float32)
+    try:
+        dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes)
+        return out.tolist()
+    except dist.DistError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def disagreeing_splits(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    # rank 0 sends rank 1 three rows, rank 1 expects two
+    bad = _exchange_rows(rank, [1, 1], [1, 3]) if rank == 0 else _exchange_rows(rank, [2, 1], [1, 1])
+    # then a correct uneven exchange: rank 0 sends rank 1 two rows, rank 1 sends rank 0 two
+    good = _exchange_rows(rank, [1, 2], [1, 2]) if rank == 0 else _exchange_rows(rank, [2, 1], [2, 1])
+    dist.destroy_process_group()
+    return bad, good
+
+
+def test_disagreeing_split_sizes_raise_everywhere_and_the_group_recovers(run_ranks):
+    (bad0, good0), (bad1, good1) = run_ranks(disagreeing_splits, 2, timeout=60)
+    assert [str(bad0).split(":")[0], str(bad1).split(":")[0]] == ["DistMismatchError"] * 2, (bad0, bad1)
+    assert good0 == [0.0, 10.0, 11.0]
+    assert good1 == [1.0, 2.0, 12.0]
