@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import errno
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from shmdist.shm import ShmHost
 from shmdist.tensors import as_buf
 
 DEFAULT_TIMEOUT = 1800.0   # seconds, torch's default for CPU backends
+FAILED_INIT_LINGER = 3.0   # seconds the master keeps the store up after a failed init
 BACKENDS = {"shm": "shm", "gloo": "shm", "tcp": "tcp"}
 
 
@@ -87,7 +89,9 @@ class World:
         """Store-based barrier of every rank of the world (set-up only)."""
         self.store.arrive(name, self.world_size, self.timeout)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Leave the job. ``failed``: set-up went wrong, so also remove the
+        names of the segments (normally gone already; idempotent)."""
         if self.forked:
             return      # a forked child: leave the parent's resources alone
         for g in self.groups:
@@ -99,9 +103,11 @@ class World:
         if self.engine is not None:
             self.engine.close()
         if self.host is not None:
+            if failed:
+                self.host.seg.unlink()
             self.host.close()
         if self.owned_store is not None:
-            self.owned_store.close()
+            self.owned_store.close(linger=FAILED_INIT_LINGER if failed else 0.0)
 
 
 _world: World | None = None
@@ -178,11 +184,15 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         else:
             owned = rendezvous.FileStore(where, world_size, seconds)
         store = owned
-    w = World(rank, world_size, kind, seconds, rendezvous.PrefixStore("shmdist/", store), owned)
+    watched = rendezvous.WatchedStore(rendezvous.PrefixStore("shmdist/", store), rank, seconds)
+    w = World(rank, world_size, kind, seconds, watched, owned)
     try:
         _setup(w)
-    except BaseException:
-        w.close()
+    except BaseException as e:
+        w.close(failed=True)
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+            raise DistError(f"rank {rank}: init_process_group: out of file descriptors ({e.strerror}); "
+                            "each rank needs a few per peer: raise the limit (ulimit -n)") from e
         raise
     _world = w
 
@@ -212,6 +222,7 @@ def _setup(w: World) -> None:
     local = [r for r in range(w.world_size) if w.nodes[r] == w.nodes[w.rank]]
     remote = [r for r in range(w.world_size) if w.nodes[r] != w.nodes[w.rank]]
     same_machine = [r for r, info in enumerate(infos) if info["host"] == me["host"]]
+    store.peers = {r: infos[r]["pid"] for r in same_machine if r != w.rank}   # watched from now on
     oversubscribed = len(same_machine) > len(os.sched_getaffinity(0))
     out, inc, ctl, peer_ctls, ctl_memory = {}, {}, None, {}, None
     if w.backend == "shm":

@@ -66,6 +66,7 @@ class _StoreServer:
         self.sock = sock
         self.secret = secret
         self.data: dict[str, bytes] = {}
+        self.arrived: dict[str, set] = {}
         self.waiters: list[_Waiter] = []
         self.conns: dict[socket.socket, bytearray] = {}
         self.authed: set[socket.socket] = set()
@@ -197,11 +198,15 @@ class _StoreServer:
             self._reply(conn, _OK, self.data[key])
             self._notify(key)
         elif op == _OP_ARRIVE:
-            # Count this caller in and answer once ``value`` callers arrived. All
-            # answers go out in one pass, so a master that exits right after its
-            # own answer cannot strand the others.
-            self.data[key] = str(int(self.data.get(key, b"0")) + 1).encode()
-            self.waiters.append(_Waiter(conn, key, time.monotonic() + tmo, int(value)))
+            # Count this caller ("count:caller") in, once however often it asks,
+            # and answer once ``count`` callers arrived. All answers go out in
+            # one pass, so a master that exits right after its own answer cannot
+            # strand the others.
+            count, _, caller = value.decode().partition(":")
+            arrived = self.arrived.setdefault(key, set())
+            arrived.add(caller)
+            self.data[key] = str(len(arrived)).encode()
+            self.waiters.append(_Waiter(conn, key, time.monotonic() + tmo, int(count)))
             self._notify(key)
         elif op == _OP_DEL:
             self.data.pop(key, None)
@@ -331,20 +336,27 @@ class TCPStore:
     def delete(self, key: str) -> None:
         self._request(_OP_DEL, key)
 
-    def arrive(self, key: str, count: int, timeout: float | None = None) -> None:
-        """Barrier: return once ``count`` callers arrived at ``key``."""
+    def arrive(self, key: str, count: int, timeout: float | None = None, caller: str = "") -> None:
+        """Barrier: return once ``count`` callers arrived at ``key``. A caller
+        that asks again (after a timeout) is counted once."""
         tmo = self.timeout if timeout is None else timeout
-        status, value = self._request(_OP_ARRIVE, key, str(int(count)).encode(), tmo)
+        status, value = self._request(_OP_ARRIVE, key, f"{int(count)}:{caller}".encode(), tmo)
         if status == _TIMEOUT:
             raise DistTimeoutError(f"rendezvous: waited {tmo:g} s at barrier '{key}'; a rank has not "
                                    "arrived")
 
-    def close(self) -> None:
+    def close(self, linger: float = 0.0) -> None:
+        """Disconnect; the master also stops serving, after up to ``linger``
+        seconds for the others to hang up (a failed init lingers, so the
+        other ranks can still read why and fail with the real cause)."""
         sock = getattr(self, "sock", None)
         if sock is not None:
             sock.close()
             self.sock = None
         if self.server is not None:
+            deadline = time.monotonic() + linger
+            while self.server.conns and time.monotonic() < deadline:
+                time.sleep(0.01)
             self.server.close()
             self.server = None
 
@@ -417,7 +429,7 @@ class FileStore:
     def delete(self, key):
         pass
 
-    def close(self):
+    def close(self, linger: float = 0.0):
         if self.closed:
             return
         self.closed = True
@@ -440,26 +452,83 @@ class PrefixStore:
         self.store.set(self.prefix + key, value)
 
     def get(self, key, timeout=None):
-        if isinstance(self.store, (TCPStore, FileStore, PrefixStore)):
+        if isinstance(self.store, _OURS):
             return self.store.get(self.prefix + key, timeout)
         return bytes(self.store.get(self.prefix + key))   # a torch Store: its own timeout
 
     def add(self, key, amount):
         return int(self.store.add(self.prefix + key, amount))
 
-    def arrive(self, key, count, timeout=None):
-        arrive(self.store, self.prefix + key, count, timeout)
+    def arrive(self, key, count, timeout=None, caller=""):
+        arrive(self.store, self.prefix + key, count, timeout, caller)
 
 
-def arrive(store, key: str, count: int, timeout: float | None = None) -> None:
+def arrive(store, key: str, count: int, timeout: float | None = None, caller: str = "") -> None:
     """Barrier of ``count`` processes on any store: one request where the store
     supports it, else add then wait for the last arrival's mark."""
     if hasattr(store, "arrive"):
-        store.arrive(key, count, timeout)
+        store.arrive(key, count, timeout, caller)
         return
-    if int(store.add(key, 1)) == count:
+    if int(store.add(f"{key}/{caller}", 1)) == 1 and int(store.add(key, 1)) == count:
         store.set(key + "/done", b"1")
-    store.get(key + "/done")
+    store.get(key + "/done", timeout) if isinstance(store, _OURS) else store.get(key + "/done")
+
+
+def pid_alive(pid: int) -> bool:
+    """False once ``pid`` exited, zombie (not yet reaped) included."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+class WatchedStore:
+    """The store as set-up uses it (init, new_group): waits go in slices, and
+    between slices the local peers known so far are checked, so a rank that
+    dies during set-up is named at once instead of after the timeout."""
+
+    SLICE = 0.25
+
+    def __init__(self, store, rank: int, timeout: float, op: str = "init_process_group"):
+        self.store, self.rank, self.timeout, self.op = store, rank, timeout, op
+        self.peers: dict[int, int] = {}     # rank -> pid, of ranks on this host
+
+    def set(self, key, value):
+        self.store.set(key, value)
+
+    def add(self, key, amount):
+        return self.store.add(key, amount)
+
+    def get(self, key, timeout=None):
+        return self._sliced(lambda t: self.store.get(key, t), key, timeout)
+
+    def arrive(self, key, count, timeout=None, caller=""):
+        self._sliced(lambda t: self.store.arrive(key, count, t, caller or str(self.rank)), key, timeout)
+
+    def _sliced(self, call, key, timeout):
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            try:
+                return call(min(self.SLICE, max(0.01, deadline - time.monotonic())))
+            except DistTimeoutError:
+                for r, pid in self.peers.items():
+                    if not pid_alive(pid):
+                        from shmdist.errors import DistPeerError
+                        raise DistPeerError(
+                            f"rank {self.rank}: {self.op}: rank {r} (pid {pid}) died while the job was "
+                            f"being set up (this rank waited for '{key}'); restart the job") from None
+                if time.monotonic() >= deadline:
+                    raise
+
+
+_OURS = (TCPStore, FileStore, PrefixStore, WatchedStore)
 
 
 def parse_init_method(init_method: str | None, rank: int, world_size: int):

@@ -41,6 +41,11 @@ class Segment:
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self.array[offset:offset + nbytes]
 
+    def unlink(self) -> None:
+        """Remove the name now (it is normally gone already); for failed set-ups."""
+        if os.getpid() == self.pid:
+            unlink(self.name)
+
     def close(self) -> None:
         """Unmap, in the process that mapped it only (a forked child keeps its hands off)."""
         if self.mm is None or os.getpid() != self.pid:
@@ -73,21 +78,35 @@ def _fill(fd: int, size: int, name: str, who: str) -> None:
             "(docker run --shm-size=1g)") from e
 
 
-def create(size: int, who: str) -> Segment:
-    token = secrets.token_bytes(16)
-    name = segment_prefix() + token[:8].hex()
+def new_name() -> str:
+    return segment_prefix() + secrets.token_bytes(8).hex()
+
+
+def _map(fd: int, size: int, name: str, who: str) -> mmap.mmap:
+    try:
+        return mmap.mmap(fd, size)
+    except OSError as e:
+        raise DistError(
+            f"{who}: cannot map {size / 2**20:.1f} MiB of shared memory ({name}): {e.strerror}. Raise "
+            "the address-space limit (ulimit -v) or vm.max_map_count, or lower SHMDIST_RING_BYTES / "
+            "SHMDIST_ARENA_BYTES") from e
+
+
+def create(size: int, who: str, name: str | None = None) -> Segment:
+    name = name or new_name()
     try:
         shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600)
     except posix_ipc.Error as e:
         raise DistError(f"{who}: cannot create shared memory segment /dev/shm/{name}: {e}") from e
     try:
         _fill(shm.fd, size, name, who)
-        mm = mmap.mmap(shm.fd, size)
+        mm = _map(shm.fd, size, name, who)
     except BaseException:
         unlink(name)
         raise
     finally:
         shm.close_fd()
+    token = bytes.fromhex(name.rpartition("-")[2]).ljust(16, b"\0")
     _HEAD.pack_into(mm, 0, MAGIC, size, token)
     return Segment(name, size, mm, token)
 
@@ -100,7 +119,7 @@ def attach(name: str, who: str) -> Segment:
                         "it; did another rank of the job fail during init?") from e
     try:
         size = os.fstat(shm.fd).st_size
-        mm = mmap.mmap(shm.fd, size)
+        mm = _map(shm.fd, size, name, who)
     finally:
         shm.close_fd()
     magic, hsize, token = _HEAD.unpack_from(mm, 0)
@@ -124,21 +143,29 @@ HEADER_BYTES = 4096  # the first page of every segment holds the header above
 def share(store, key: str, nlocal: int, is_creator: bool, size: int, who: str,
           timeout: float, init=None) -> Segment:
     """Create (one rank) or attach (the others) the segment named under ``key``
-    in the store; the last of ``nlocal`` ranks to map it unlinks it. The
-    creator runs ``init(segment)`` before anyone else can see it."""
-    seg = None
+    in the store; the last of ``nlocal`` ranks to map it unlinks it.
+
+    The creator publishes the name before it creates the segment and runs
+    ``init(segment)`` before it says the segment is ready, so every rank
+    knows the name from the start and whoever fails unlinks it: a rank that
+    dies during set-up leaves nothing behind.
+    """
+    name = new_name() if is_creator else None
     try:
         if is_creator:
-            seg = create(size, who)
+            store.set(key, name.encode())
+            seg = create(size, who, name)
             if init is not None:
                 init(seg)
-            store.set(key, seg.name.encode())
+            store.set(key + "/ready", b"1")
         else:
-            seg = attach(store.get(key, timeout).decode(), who)
+            name = store.get(key, timeout).decode()
+            store.get(key + "/ready", timeout)
+            seg = attach(name, who)
         if store.add(key + "/mapped", 1) == nlocal:
-            unlink(seg.name)
+            unlink(name)
         return seg
     except BaseException:
-        if seg is not None and is_creator:
-            unlink(seg.name)
+        if name is not None:
+            unlink(name)
         raise

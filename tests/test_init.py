@@ -107,10 +107,6 @@ def test_world_sizes_that_disagree(run_ranks):
     assert isinstance(second, RankError) and isinstance(second.exc, dist.DistError)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "group._setup reads every rank's info before checking any, so rank 0, started with the larger "
-    "world_size, waits for a rank that never comes and fails only at its init timeout (30 min by "
-    "default) with 'a rank has not arrived'. Fix: check each info as it is read, in rank order"))
 def test_rank_0_with_the_larger_world_size_learns_of_the_mismatch(run_ranks):
     for rank, error in enumerate(run_ranks(disagree_on_world_size, 2, [3, 2], errors="return")):
         assert isinstance(error.exc, dist.DistMismatchError), f"rank {rank}: {error}"
