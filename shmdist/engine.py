@@ -161,7 +161,7 @@ class Engine:
                             inc.claimed = r
                     return
             self.posted.append(r)
-            self.progress()
+            self.progress(drain=False)   # the caller may be about to post the receives for what follows
 
     # ------------------------------------------------------------ progress
 
@@ -169,8 +169,14 @@ class Engine:
         with self.lock:
             self.progress()
 
-    def progress(self) -> None:
-        """Move every pending send and receive as far as it goes now."""
+    def progress(self, drain: bool = True) -> None:
+        """Move every pending send and receive as far as it goes now.
+
+        A message that no posted receive matches is drained into a buffer of
+        its own when ``drain``, so that a sender never stays blocked (two
+        ranks that both send large messages before receiving do not
+        deadlock); when not, it stays in the ring for a receive posted soon,
+        which then gets it without the extra copy."""
         if self.sendq:
             for dst in list(self.sendq):
                 q = self.sendq[dst]
@@ -191,14 +197,17 @@ class Engine:
                     header = chan.peek()
                     if header is None:
                         break
-                    inc = rx[src] = self._arrive(src, header)
+                    inc = self._arrive(src, header, drain)
+                    if inc is None:
+                        break
+                    rx[src] = inc
                 inc.pos = chan.pull(inc.addr, inc.nbytes, inc.pos)
                 if inc.pos < inc.total:
                     break
                 rx[src] = None
                 self._finish(inc)
 
-    def _arrive(self, src: int, header: bytes) -> _Incoming:
+    def _arrive(self, src: int, header: bytes, drain: bool) -> _Incoming | None:
         magic, version, ndim, tag, gid, hsrc, _, nbytes, dtype, *dims = HDR.unpack(header)
         if magic != MAGIC or version != VERSION or hsrc != src:
             raise DistError(f"rank {self.rank}: recv: corrupted message header from rank {src} "
@@ -221,6 +230,8 @@ class Engine:
                     return inc
                 continue        # that receive failed; the message goes to the next one
             i += 1
+        if not drain:
+            return None
         inc.data = np.empty(nbytes, dtype=np.uint8)
         inc.addr = inc.data.ctypes.data if nbytes else 0
         self.unexpected.append(inc)
