@@ -71,7 +71,7 @@ class Backoff:
     def __init__(self, oversubscribed: bool):
         self.most = 0 if oversubscribed else int(os.environ.get("SHMDIST_SPIN", 4000))
         self.spin = self.most
-        self.yields = 4 if oversubscribed else 0
+        self.yields = int(os.environ.get("SHMDIST_YIELDS", 4)) if oversubscribed else 0
 
     def update(self, how: int) -> None:
         """``how``: 2 caught while spinning, 1 after that, 0 not at all."""
