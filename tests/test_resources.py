@@ -146,7 +146,7 @@ def init_under_a_limit(rank, world_size, init_method, which, extra):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "rendezvous.py:75 _StoreServer.__init__ (socket.socketpair), and the other sockets and pidfds "
+    "rendezvous.py:76 _StoreServer.__init__ (socket.socketpair), and the other sockets and pidfds "
     "made during init, let EMFILE escape as a bare OSError 'Too many open files' instead of a "
     "DistError naming the operation and the fix (raise the limit: ulimit -n). Fix: catch OSError "
     "EMFILE/ENFILE around init's socket and pidfd creation and re-raise DistError"))
@@ -157,10 +157,6 @@ def test_running_out_of_file_descriptors_is_a_clear_error(run_ranks, no_leaks):
     assert is_dist_error and "ulimit" in message, message
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "segment.py:85 create() (and attach()) call mmap.mmap unguarded: when the address space limit "
-    "or vm.max_map_count refuses the mapping, a bare OSError 'Cannot allocate memory' escapes "
-    "instead of a DistError naming the size and the fix. Fix: wrap mmap in create/attach like _fill"))
 def test_a_mapping_refused_by_the_address_space_limit_is_a_clear_error(run_ranks, no_leaks):
     results = run_ranks(init_under_a_limit, 2, "as", 32 << 20, env={"SHMDIST_RING_BYTES": str(64 << 20)},
                         errors="return", timeout=60)
