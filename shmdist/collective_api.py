@@ -162,6 +162,17 @@ def _split_check(w, who, whole, piece, n, what):
                                 f"{piece.describe()} ({piece.nbytes * n} bytes of {piece.dtype})")
 
 
+def _root_list(w, g, root, tensors, ref, op, what, writable):
+    """The root's list of one tensor per rank, each like ``ref``; [] elsewhere."""
+    if root != g.rank():
+        if tensors:
+            raise DistError(f"rank {w.rank}: {op}: {what} is only for rank {g.ranks[root]}; pass None here")
+        return []
+    bufs = [as_buf(t, writable=writable, who=f"rank {w.rank}: {op}") for t in _list(w, op, tensors, g.size(), what)]
+    _same(w, op, bufs, ref, what)
+    return bufs
+
+
 def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op=False):
     """``gather_list`` of global rank ``dst`` receives every rank's ``tensor``."""
     w, g, comm = _enter("gather", group)
@@ -170,12 +181,7 @@ def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op=False):
     who = f"rank {w.rank}: gather"
     root = _root(w, g, dst, "gather", "dst")
     buf = as_buf(tensor, writable=False, who=who)
-    outs = []
-    if root == g.rank():
-        outs = [as_buf(t, writable=True, who=who) for t in _list(w, "gather", gather_list, g.size(), "gather_list")]
-        _same(w, "gather", outs, buf, "gather_list")
-    elif gather_list:
-        raise DistError(f"{who}: gather_list is only for the destination rank {dst}; pass None here")
+    outs = _root_list(w, g, root, gather_list, buf, "gather", "gather_list", writable=True)
     with comm.lock:
         comm.all_gather([o.addr for o in outs], buf, root, g.timeout)
     return _done("gather", async_op, list(gather_list or []), outs)
@@ -189,12 +195,7 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op=False)
     who = f"rank {w.rank}: scatter"
     root = _root(w, g, src, "scatter", "src")
     buf = as_buf(tensor, writable=True, who=who)
-    ins = []
-    if root == g.rank():
-        ins = [as_buf(t, writable=False, who=who) for t in _list(w, "scatter", scatter_list, g.size(), "scatter_list")]
-        _same(w, "scatter", ins, buf, "scatter_list")
-    elif scatter_list:
-        raise DistError(f"{who}: scatter_list is only for the source rank {src}; pass None here")
+    ins = _root_list(w, g, root, scatter_list, buf, "scatter", "scatter_list", writable=False)
     with comm.lock:
         comm.scatter([i.addr for i in ins], buf, root, g.timeout)
     return _done("scatter", async_op, [tensor], [buf])

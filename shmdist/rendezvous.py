@@ -30,14 +30,15 @@ _REP = struct.Struct("<BQ")      # status, value length
 _MAX_FRAME = 1 << 30
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, closed: str = "connection closed") -> bytes:
+    """Exactly ``n`` bytes from a blocking socket; ConnectionError(``closed``) at EOF."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise ConnectionError("connection closed")
+            raise ConnectionError(closed)
         got += k
     return bytes(buf)
 
@@ -282,7 +283,7 @@ class TCPStore:
                 s = socket.create_connection((self.host, self.port), timeout=max(0.1, deadline - time.monotonic()))
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 s.settimeout(None)
-                nonce = _recv_exact(s, 16)
+                nonce = recv_exact(s, 16)
                 token = _auth_token(self.secret, nonce) if self.secret else b""
                 status, _ = self._request_on(s, _OP_HELLO, "", token, 0.0)
                 if status == _DENIED:
@@ -306,8 +307,8 @@ class TCPStore:
     def _request_on(sock, op, key, value, tmo):
         k = key.encode()
         sock.sendall(_REQ.pack(op, len(k), len(value), tmo) + k + value)
-        status, n = _REP.unpack(_recv_exact(sock, _REP.size))
-        return status, (_recv_exact(sock, n) if n else b"")
+        status, n = _REP.unpack(recv_exact(sock, _REP.size))
+        return status, (recv_exact(sock, n) if n else b"")
 
     def _request(self, op, key, value=b"", tmo=0.0):
         with self.lock:

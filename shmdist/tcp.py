@@ -40,13 +40,14 @@ import numpy as np
 from shmdist import _core
 from shmdist.engine import HDR, MAGIC, VERSION
 from shmdist.errors import DistError, DistPeerError, DistTimeoutError
-from shmdist.rendezvous import SECRET_ENV, PrefixStore
+from shmdist.rendezvous import SECRET_ENV, PrefixStore, recv_exact
 from shmdist.tensors import MAX_DIMS
 
 ADDR_ENV = "SHMDIST_TCP_ADDR"   # the address this rank listens on, when the default is wrong
 HELLO = struct.Struct("<IHHi16s32s")   # magic, version, 0, rank, nonce, job digest
 HELLO_MAGIC = 0x50435444              # "DTCP"
 PROOF_BYTES = 32
+CLOSED = "the connection closed during the handshake"
 MAX_NDIM = 64                          # torch and numpy allow no more dimensions
 TORCH_ITEMSIZE = {"bfloat16": 2, "complex32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
                   "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
@@ -286,14 +287,14 @@ class Transport:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(HELLO.pack(HELLO_MAGIC, VERSION, 0, self.rank, nonce, job))
-            magic, version, _, rank, their_nonce, their_job = HELLO.unpack(_recv_exact(sock, HELLO.size))
-            proof = _recv_exact(sock, PROOF_BYTES)
+            magic, version, _, rank, their_nonce, their_job = HELLO.unpack(recv_exact(sock, HELLO.size, CLOSED))
+            proof = recv_exact(sock, PROOF_BYTES, CLOSED)
             if (magic, version, rank, their_job) != (HELLO_MAGIC, VERSION, peer, job):
                 raise ConnectionError(f"the listener is not rank {peer} of this job")
             if not hmac.compare_digest(proof, self._proof(b"accept", nonce, job)):
                 raise ConnectionError(f"it failed the {SECRET_ENV} check")
             sock.sendall(self._proof(b"connect", their_nonce, job))
-            if _recv_exact(sock, 1) != b"\1":
+            if recv_exact(sock, 1, CLOSED) != b"\1":
                 raise ConnectionError("it refused this rank")
         except (OSError, ConnectionError) as e:
             sock.close()
@@ -334,12 +335,12 @@ class Transport:
         try:
             sock.settimeout(max(0.1, deadline - time.monotonic()))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            magic, version, _, peer, their_nonce, their_job = HELLO.unpack(_recv_exact(sock, HELLO.size))
+            magic, version, _, peer, their_nonce, their_job = HELLO.unpack(recv_exact(sock, HELLO.size, CLOSED))
             if (magic, version, their_job) != (HELLO_MAGIC, VERSION, job) or peer not in waiting:
                 return None
             sock.sendall(HELLO.pack(HELLO_MAGIC, VERSION, 0, self.rank, nonce, job)
                          + self._proof(b"accept", their_nonce, job))
-            if not hmac.compare_digest(_recv_exact(sock, PROOF_BYTES), self._proof(b"connect", nonce, job)):
+            if not hmac.compare_digest(recv_exact(sock, PROOF_BYTES, CLOSED), self._proof(b"connect", nonce, job)):
                 return None
             sock.sendall(b"\1")
             sock.settimeout(None)
@@ -402,18 +403,6 @@ class Transport:
         self.links = {}
         os.close(self.wake_r)
         os.close(self.wake_w)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("the connection closed during the handshake")
-        got += k
-    return bytes(buf)
 
 
 def _listen_address(store) -> str:
