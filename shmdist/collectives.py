@@ -101,6 +101,10 @@ class GroupComm:
     def arena_bytes(self) -> int:
         return self.seg.size
 
+    def unlink(self) -> None:
+        """Remove the arena's name now, for a failed set-up (idempotent)."""
+        self.seg.unlink()
+
     def close(self) -> None:
         self.seg.close()
 

@@ -97,6 +97,8 @@ class World:
         for g in self.groups:
             g.destroyed = True
             if g.coll is not None:
+                if failed:
+                    g.coll.unlink()
                 g.coll.close()
         if self.tcp is not None:
             self.tcp.close()
@@ -175,24 +177,27 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise DistError(f"init_process_group: rank {rank!r} is outside [0, {world_size}); give each "
                         f"process a distinct rank from 0 to {world_size - 1}")
-    owned = None
-    if store is None:
-        if scheme == "tcp":
-            host, port = where
-            label = "env://" if (init_method or "env://").startswith("env") else "tcp://"
-            owned = rendezvous.TCPStore(host, port, is_master=(rank == 0), timeout=seconds, scheme=label)
-        else:
-            owned = rendezvous.FileStore(where, world_size, seconds)
-        store = owned
-    watched = rendezvous.WatchedStore(rendezvous.PrefixStore("shmdist/", store), rank, seconds)
-    w = World(rank, world_size, kind, seconds, watched, owned)
+    w = None
     try:
+        owned = None
+        if store is None:
+            if scheme == "tcp":
+                host, port = where
+                label = "env://" if (init_method or "env://").startswith("env") else "tcp://"
+                owned = rendezvous.TCPStore(host, port, is_master=(rank == 0), timeout=seconds, scheme=label)
+            else:
+                owned = rendezvous.FileStore(where, world_size, seconds)
+            store = owned
+        watched = rendezvous.WatchedStore(rendezvous.PrefixStore("shmdist/", store), rank, seconds)
+        w = World(rank, world_size, kind, seconds, watched, owned)
         _setup(w)
     except BaseException as e:
-        w.close(failed=True)
+        if w is not None:
+            w.close(failed=True)
         if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
             raise DistError(f"rank {rank}: init_process_group: out of file descriptors ({e.strerror}); "
-                            "each rank needs a few per peer: raise the limit (ulimit -n)") from e
+                            "each rank needs a few per peer and rank 0 a few more for the store: raise "
+                            "the limit (ulimit -n)") from e
         raise
     _world = w
 

@@ -95,6 +95,10 @@ class HierComm:
     def arena_bytes(self) -> int:
         return self.comm.arena_bytes() if self.comm else 0
 
+    def unlink(self) -> None:
+        if self.comm:
+            self.comm.unlink()
+
     def close(self) -> None:
         if self.comm:
             self.comm.close()

@@ -73,6 +73,7 @@ class _StoreServer:
         self.authed: set[socket.socket] = set()
         self.nonce: dict[socket.socket, bytes] = {}
         self.sel = selectors.DefaultSelector()
+        self.trouble = ""      # why ranks may fail to reach this store, for the timeout messages
         self.stop = threading.Event()
         self.wake_r, self.wake_w = socket.socketpair()
         self.thread = threading.Thread(target=self._loop, name="shmdist-store", daemon=True)
@@ -115,7 +116,10 @@ class _StoreServer:
     def _accept(self):
         try:
             conn, _ = self.sock.accept()
-        except OSError:
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                self.trouble = (f"the store on rank 0 could not accept a connection ({e.strerror}): "
+                                "raise the open-files limit (ulimit -n)")
             return
         conn.setblocking(True)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -337,6 +341,10 @@ class TCPStore:
     def delete(self, key: str) -> None:
         self._request(_OP_DEL, key)
 
+    def hint(self) -> str:
+        """What the master's server saw go wrong, if anything."""
+        return self.server.trouble if self.server is not None else ""
+
     def arrive(self, key: str, count: int, timeout: float | None = None, caller: str = "") -> None:
         """Barrier: return once ``count`` callers arrived at ``key``. A caller
         that asks again (after a timeout) is counted once."""
@@ -463,6 +471,9 @@ class PrefixStore:
     def arrive(self, key, count, timeout=None, caller=""):
         arrive(self.store, self.prefix + key, count, timeout, caller)
 
+    def hint(self) -> str:
+        return self.store.hint() if hasattr(self.store, "hint") else ""
+
 
 def arrive(store, key: str, count: int, timeout: float | None = None, caller: str = "") -> None:
     """Barrier of ``count`` processes on any store: one request where the store
@@ -514,7 +525,8 @@ class WatchedStore:
         self._sliced(lambda t: self.store.arrive(key, count, t, caller or str(self.rank)), key, timeout)
 
     def _sliced(self, call, key, timeout):
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        total = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + total
         while True:
             try:
                 return call(min(self.SLICE, max(0.01, deadline - time.monotonic())))
@@ -526,7 +538,11 @@ class WatchedStore:
                             f"rank {self.rank}: {self.op}: rank {r} (pid {pid}) died while the job was "
                             f"being set up (this rank waited for '{key}'); restart the job") from None
                 if time.monotonic() >= deadline:
-                    raise
+                    hint = self.store.hint() if hasattr(self.store, "hint") else ""
+                    raise DistTimeoutError(
+                        f"rank {self.rank}: {self.op}: waited {total:g} s for '{key}' in the rendezvous "
+                        f"store; a rank has not arrived{'; ' + hint if hint else ''}. Check that every "
+                        "rank was started, with the same init_method and world_size") from None
 
 
 _OURS = (TCPStore, FileStore, PrefixStore, WatchedStore)

@@ -182,12 +182,6 @@ def test_no_segment_left_when_the_creator_dies_while_mapping(run_ranks, tmp_path
     assert glob.glob(f"/dev/shm/shmdist-{no_leaks}-*") == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "group.World.close unlinks the host segment of a failed init (self.host.seg.unlink()) but not the "
-    "default group's collective arena: when a rank dies after rank 0 created the arena "
-    "(collectives.open_group -> segment.share) and before every rank mapped it, the arena stays in "
-    "/dev/shm until shmdist-run sweeps it. Fix: on a failed init, also unlink g.coll.seg of every "
-    "group (Segment.unlink is idempotent)"))
 @pytest.mark.parametrize("phase, victim", [("rendezvous", 1), ("mapping", 1)],
                          ids=["rendezvous", "mapping-attacher"])
 def test_no_segment_left_when_a_rank_dies_during_init(run_ranks, tmp_path, no_leaks, phase, victim):

@@ -145,11 +145,6 @@ def init_under_a_limit(rank, world_size, init_method, which, extra):
     return True, "ok"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rendezvous.py:76 _StoreServer.__init__ (socket.socketpair), and the other sockets and pidfds "
-    "made during init, let EMFILE escape as a bare OSError 'Too many open files' instead of a "
-    "DistError naming the operation and the fix (raise the limit: ulimit -n). Fix: catch OSError "
-    "EMFILE/ENFILE around init's socket and pidfd creation and re-raise DistError"))
 def test_running_out_of_file_descriptors_is_a_clear_error(run_ranks, no_leaks):
     results = run_ranks(init_under_a_limit, 2, "nofile", 2, errors="return", timeout=60)
     print(f"\nRESOURCES 2 spare fds: {results}")
