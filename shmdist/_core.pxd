@@ -8,7 +8,6 @@ cdef extern from "_atomics.h" nogil:
     uint32_t sd_load32(const uint32_t *p)
     void sd_store32(uint32_t *p, uint32_t v)
     uint32_t sd_add32(uint32_t *p, int v)
-    uint64_t sd_add64(uint64_t *p, uint64_t v)
     void sd_fence()
     void sd_relax()
     int sd_futex_wait(uint32_t *addr, uint32_t val, long timeout_ns)

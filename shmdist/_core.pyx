@@ -10,7 +10,7 @@ from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
 from libc.string cimport memcpy, memset
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_C_CONTIGUOUS
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
-from shmdist._core cimport (sd_load64, sd_store64, sd_load32, sd_store32, sd_add32, sd_add64,
+from shmdist._core cimport (sd_load64, sd_store64, sd_load32, sd_store32, sd_add32,
                             sd_fence, sd_relax, sd_futex_wait, sd_futex_wake, sd_yield, sd_cma_read)
 
 # Layout of a per-process control block (CTL_BYTES each, in the job segment).
@@ -54,10 +54,6 @@ def buffer_address(obj, bint writable=False):
 def ctl_set_pid(size_t ctl, uint32_t pid):
     sd_store32(_u32(ctl + _PID), pid)
     sd_store32(_u32(ctl + _CLOSED), 0)
-
-
-def ctl_pid(size_t ctl):
-    return sd_load32(_u32(ctl + _PID))
 
 
 def ctl_close(size_t ctl):
@@ -174,13 +170,6 @@ cdef class Ring:
         self.other_ctl = other_ctl
         self.cached_head = sd_load64(self.head)
         self.cached_tail = sd_load64(self.tail)
-
-    @property
-    def capacity(self):
-        return self.size
-
-    def used(self):
-        return sd_load64(self.head) - sd_load64(self.tail)
 
     cdef inline void _put(self, uint64_t at, const uint8_t *src, size_t n) noexcept nogil:
         cdef uint64_t off = at & self.mask
