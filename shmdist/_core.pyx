@@ -7,7 +7,7 @@ integers (``size_t``); the Python layers keep the objects that own the
 memory alive for as long as an address is in use.
 """
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_C_CONTIGUOUS
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from shmdist._core cimport (sd_load64, sd_store64, sd_load32, sd_store32, sd_add32,
@@ -262,6 +262,36 @@ cdef class Ring:
         with nogil:
             p = self._push(hdr, src, nbytes, p, total)
         return p
+
+    def take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, bytes dtype16):
+        """Receive the next record in one call when it is complete and its
+        header says (tag, group, byte count, dtype): copy the payload to
+        ``addr`` and return 1. Return 0 when no complete record is there,
+        -1 when the next record is another one (the caller then reads the
+        header itself). Header layout: engine.HDR."""
+        cdef uint64_t t = sd_load64(self.tail)
+        cdef uint64_t total = _HDR + ((nbytes + 63) & ~(<uint64_t>63))
+        cdef uint8_t hdr[_HDR]
+        cdef int64_t htag, hgid
+        cdef uint64_t hbytes
+        if self.cached_head - t < total:
+            self.cached_head = sd_load64(self.head)
+            if self.cached_head - t < total:
+                return 0
+        self._get(t, hdr, _HDR)
+        memcpy(&htag, hdr + 8, 8)
+        memcpy(&hgid, hdr + 16, 8)
+        memcpy(&hbytes, hdr + 32, 8)
+        if htag != tag or hgid != gid or hbytes != nbytes or memcmp(hdr + 40, PyBytes_AS_STRING(dtype16), 16):
+            return -1
+        if nbytes < NOGIL_COPY:
+            self._get(t + _HDR, <uint8_t *>addr, nbytes)
+        else:
+            with nogil:
+                self._get(t + _HDR, <uint8_t *>addr, nbytes)
+        sd_store64(self.tail, t + total)
+        _ring_bell(self.other_ctl)
+        return 1
 
     def peek(self):
         """The next record's header, or None when it has not arrived."""

@@ -39,6 +39,15 @@ COLLECTIVE_GID = 1 << 40  # group ids at and above it carry collectives' own mes
 
 
 _headers: dict = {}
+_dtype_fields: dict = {}
+
+
+def _dtype16(dtype: str) -> bytes:
+    """A dtype name as the header carries it (16 bytes, zero-padded)."""
+    field = _dtype_fields.get(dtype)
+    if field is None:
+        field = _dtype_fields[dtype] = dtype.encode().ljust(16, b"\0")
+    return field
 
 
 def make_header(tag: int, gid: int, src: int, buf) -> bytes:
@@ -87,7 +96,7 @@ class _Send:
 
 
 class _Recv:
-    __slots__ = ("req", "src", "gid", "tag", "buf")
+    __slots__ = ("req", "src", "gid", "tag", "buf", "dtype16")
 
 
 class _Incoming:
@@ -151,6 +160,7 @@ class Engine:
     def recv(self, req, buf, src: int | None, gid: int, tag: int, members) -> None:
         r = _Recv()
         r.req, r.src, r.gid, r.tag, r.buf = req, src, gid, tag, buf
+        r.dtype16 = _dtype16(buf.dtype)
         req._peers = (src,) if src is not None else tuple(m for m in members if m != self.rank)
         with self.lock:
             for inc in self.unexpected:
@@ -191,10 +201,17 @@ class Engine:
                 if not q:
                     del self.sendq[dst]
         rx = self.rx
+        posted = self.posted
         for src, chan in self.chan_in:
             while True:
                 inc = rx[src]
                 if inc is None:
+                    if posted:      # the usual case, in one call: a whole record for the next receive
+                        r = self._next_posted(src)
+                        if r is not None and chan.take(r.tag, r.gid, r.buf.addr, r.buf.nbytes, r.dtype16) > 0:
+                            posted.remove(r)
+                            self._complete_recv(r, src)
+                            continue
                     header = chan.peek()
                     if header is None:
                         break
@@ -207,6 +224,13 @@ class Engine:
                     break
                 rx[src] = None
                 self._finish(inc)
+
+    def _next_posted(self, src: int) -> _Recv | None:
+        """The receive the next record from ``src`` goes to if its tag and group fit."""
+        for r in self.posted:
+            if r.src is None or r.src == src:
+                return r
+        return None
 
     def _arrive(self, src: int, header: bytes, drain: bool) -> _Incoming | None:
         magic, version, ndim, tag, gid, hsrc, _, nbytes, dtype, *dims = HDR.unpack(header)

@@ -146,6 +146,10 @@ class Link:
             return pos
         return _core.record_bytes(nbytes)
 
+    def take(self, tag: int, gid: int, addr: int, nbytes: int, dtype16: bytes) -> int:
+        """No one-call receive over a socket: the engine reads the header first."""
+        return 0
+
     def peek(self) -> bytes | None:
         """The next record's header once it has fully arrived and is well formed."""
         if self.broken or self.armed & select.POLLIN:
