@@ -140,20 +140,22 @@ class Engine:
     # ------------------------------------------------------------ posting
 
     def send(self, req, buf, dst: int, gid: int, tag: int) -> None:
-        op = _Send()
-        op.req, op.buf, op.dst, op.pos = req, buf, dst, 0
-        op.chan = self.chan_out[dst]
-        op.header = make_header(tag, gid, self.rank, buf)
-        op.total = _core.record_bytes(buf.nbytes)
+        chan = self.chan_out[dst]
+        header = make_header(tag, gid, self.rank, buf)
+        total = _core.record_bytes(buf.nbytes)
         req._peers = (dst,)
         with self.lock:
             q = self.sendq.get(dst)
+            pos = 0
+            if not q:       # nothing queued before it: write what fits now
+                pos = chan.push(header, buf.addr, buf.nbytes, 0)
+                if pos == total:
+                    req._complete()
+                    return
+            op = _Send()
+            op.req, op.buf, op.dst, op.pos, op.chan, op.header, op.total = req, buf, dst, pos, chan, header, total
             if q:
                 q.append(op)
-                return
-            op.pos = op.chan.push(op.header, buf.addr, buf.nbytes, 0)
-            if op.pos == op.total:
-                req._complete()
             else:
                 self.sendq[dst] = deque([op])
 
