@@ -78,6 +78,9 @@ def _fill(fd: int, size: int, name: str, who: str) -> None:
             "(docker run --shm-size=1g)") from e
 
 
+_FD_HINT = " (if it says too many files are open, raise the limit: ulimit -n)"
+
+
 def new_name() -> str:
     return segment_prefix() + secrets.token_bytes(8).hex()
 
@@ -96,8 +99,8 @@ def create(size: int, who: str, name: str | None = None) -> Segment:
     name = name or new_name()
     try:
         shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600)
-    except posix_ipc.Error as e:
-        raise DistError(f"{who}: cannot create shared memory segment /dev/shm/{name}: {e}") from e
+    except (posix_ipc.Error, OSError) as e:   # posix_ipc says EMFILE as a bare OSError
+        raise DistError(f"{who}: cannot create shared memory segment /dev/shm/{name}: {e}{_FD_HINT}") from e
     try:
         _fill(shm.fd, size, name, who)
         mm = _map(shm.fd, size, name, who)
@@ -117,6 +120,8 @@ def attach(name: str, who: str) -> Segment:
     except posix_ipc.ExistentialError as e:
         raise DistError(f"{who}: shared memory segment /dev/shm/{name} is gone before this rank mapped "
                         "it; did another rank of the job fail during init?") from e
+    except (posix_ipc.Error, OSError) as e:
+        raise DistError(f"{who}: cannot open shared memory segment /dev/shm/{name}: {e}{_FD_HINT}") from e
     try:
         size = os.fstat(shm.fd).st_size
         mm = _map(shm.fd, size, name, who)
