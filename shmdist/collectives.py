@@ -31,7 +31,7 @@ from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTime
 from shmdist.reduce_ops import ReduceOp, reduce_into
 
 CTL_STRIDE = 256                      # per member: phase u64 at 0, descriptors at 64 and 128
-_DESC = struct.Struct("<QQQqq16sQ")   # call number, kind, bytes, op, root, dtype, extra
+_DESC = struct.Struct("<QQQqq16sQ")   # 0 (reserved), kind, bytes, op, root, dtype, extra
 KINDS = ("barrier", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
          "reduce_scatter", "all_to_all")
 DEFAULT_SLOT_BYTES = 1 << 20          # per member and buffer; two buffers each
@@ -94,6 +94,7 @@ class GroupComm:
         self.others = np.array([host.ctls[r] for r in group.ranks if r != world.rank], dtype=np.uint64)
         self.phase = 0
         self.calls = 0
+        self.packed: dict[tuple, bytes] = {}   # descriptors already packed, by call
         self.broken: str | None = None
         self.lock = threading.Lock()
         self.backoff = world.engine.backoff
@@ -150,13 +151,19 @@ class GroupComm:
                             f"since {self.broken}; destroy it and create a new one")
         parity = self.calls % 2
         self.calls += 1
-        kind, nbytes, op, root, dtype, extra = desc
-        root = self.group.ranks[root] if root >= 0 else -1
-        _DESC.pack_into(self.seg.mm, self._desc_at(self.me, parity), self.calls, KINDS.index(kind),
-                        nbytes, op, root, dtype.encode(), extra)
+        packed = self.packed.get(desc)
+        if packed is None:
+            kind, nbytes, op, root, dtype, extra = desc
+            root = self.group.ranks[root] if root >= 0 else -1
+            packed = _DESC.pack(0, KINDS.index(kind), nbytes, op, root, dtype.encode(), extra)
+            if len(self.packed) >= 1024:
+                self.packed.clear()
+            self.packed[desc] = packed
+        at = 64 + 64 * parity
+        _core.put(self.ctl[self.me] + at, packed)
         self._pass(what, timeout)
-        descs = [self._read_desc(i, parity) for i in range(self.n)]
-        if any(d != descs[0] for d in descs):
+        if not _core.all_same(self.ctl[0] + at, CTL_STRIDE, self.n, _DESC.size):
+            descs = [self._read_desc(i, parity) for i in range(self.n)]
             calls = "; ".join(f"rank {self.group.ranks[i]} called {_describe(d)}" for i, d in enumerate(descs))
             raise DistMismatchError(
                 f"rank {self.rank}: {what}: the ranks of group {list(self.group.ranks)} disagree on "
