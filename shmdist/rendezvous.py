@@ -524,6 +524,16 @@ class WatchedStore:
     def arrive(self, key, count, timeout=None, caller=""):
         self._sliced(lambda t: self.store.arrive(key, count, t, caller or str(self.rank)), key, timeout)
 
+    def check(self, key: str) -> None:
+        """Raise DistPeerError if a rank on this host died (the real cause of
+        whatever went wrong while this rank waited for or used ``key``)."""
+        for r, pid in self.peers.items():
+            if not pid_alive(pid):
+                from shmdist.errors import DistPeerError
+                raise DistPeerError(
+                    f"rank {self.rank}: {self.op}: rank {r} (pid {pid}) died while the job was being "
+                    f"set up (this rank waited for '{key}'); restart the job") from None
+
     def _sliced(self, call, key, timeout):
         total = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + total
@@ -531,12 +541,7 @@ class WatchedStore:
             try:
                 return call(min(self.SLICE, max(0.01, deadline - time.monotonic())))
             except DistTimeoutError:
-                for r, pid in self.peers.items():
-                    if not pid_alive(pid):
-                        from shmdist.errors import DistPeerError
-                        raise DistPeerError(
-                            f"rank {self.rank}: {self.op}: rank {r} (pid {pid}) died while the job was "
-                            f"being set up (this rank waited for '{key}'); restart the job") from None
+                self.check(key)
                 if time.monotonic() >= deadline:
                     hint = self.store.hint() if hasattr(self.store, "hint") else ""
                     raise DistTimeoutError(

@@ -170,7 +170,9 @@ def share(store, key: str, nlocal: int, is_creator: bool, size: int, who: str,
         if store.add(key + "/mapped", 1) == nlocal:
             unlink(name)
         return seg
-    except BaseException:
+    except BaseException as e:
         if name is not None:
             unlink(name)
+        if isinstance(e, DistError) and hasattr(store, "check"):
+            store.check(key)     # a segment gone because a peer died: name the dead rank
         raise
