@@ -1,7 +1,7 @@
 """The one family of errors shmdist raises.
 
 Every message names the rank, the operation, what was expected and what to
-do about it; the helpers here keep that wording in one place.
+do about it.
 """
 from __future__ import annotations
 
@@ -26,7 +26,3 @@ class DistMismatchError(DistError):
 class DistNotInitializedError(DistError):
     """No process group yet: call shmdist.init_process_group first."""
 
-
-def where(rank: int, op: str) -> str:
-    """The prefix every error message starts with."""
-    return f"rank {rank}: {op}"

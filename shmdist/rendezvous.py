@@ -3,7 +3,7 @@
 ``tcp://host:port`` and ``env://``: rank 0 serves a TCPStore, the others
 connect with retries until the timeout. ``file:///path``: a FileStore.
 A store maps str keys to bytes values and offers set, get (blocking with a
-deadline), add (atomic counter) and delete.
+deadline), add (atomic counter) and arrive (a barrier that counts each caller once).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from shmdist.errors import DistError, DistTimeoutError
 
 SECRET_ENV = "SHMDIST_SECRET"
 
-_OP_SET, _OP_GET, _OP_ADD, _OP_DEL, _OP_HELLO, _OP_ARRIVE = range(1, 7)
+_OP_SET, _OP_GET, _OP_ADD, _OP_HELLO, _OP_ARRIVE = range(1, 6)
 _OK, _TIMEOUT, _DENIED = range(3)
 _REQ = struct.Struct("<BIQd")   # op, key length, value length, timeout seconds
 _REP = struct.Struct("<BQ")      # status, value length
@@ -213,9 +213,6 @@ class _StoreServer:
             self.data[key] = str(len(arrived)).encode()
             self.waiters.append(_Waiter(conn, key, time.monotonic() + tmo, int(count)))
             self._notify(key)
-        elif op == _OP_DEL:
-            self.data.pop(key, None)
-            self._reply(conn, _OK)
         else:
             self._drop(conn)
             return False
@@ -338,9 +335,6 @@ class TCPStore:
     def add(self, key: str, amount: int) -> int:
         return int(self._request(_OP_ADD, key, str(int(amount)).encode())[1])
 
-    def delete(self, key: str) -> None:
-        self._request(_OP_DEL, key)
-
     def hint(self) -> str:
         """What the master's server saw go wrong, if anything."""
         return self.server.trouble if self.server is not None else ""
@@ -434,9 +428,6 @@ class FileStore:
             return n
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
-
-    def delete(self, key):
-        pass
 
     def close(self, linger: float = 0.0):
         if self.closed:
