@@ -12,6 +12,10 @@
 #include <sys/uio.h>
 #include <sys/syscall.h>
 #include <linux/futex.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 static inline uint64_t sd_load64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static inline void sd_store64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
@@ -42,6 +46,37 @@ static inline int sd_futex_wait(uint32_t *addr, uint32_t val, long timeout_ns) {
 
 static inline int sd_futex_wake(uint32_t *addr, int n) {
     return (int)syscall(SYS_futex, addr, FUTEX_WAKE, n, NULL, NULL, 0);
+}
+
+/* memcpy with non-temporal (streaming) stores: the destination bypasses
+ * the caches. For large destinations that will not be read again soon this
+ * saves the read-for-ownership of every line, as glibc does by itself only
+ * for single copies above about 3/4 of the L3. Rings hand payloads over in
+ * slices of 128 KiB, so glibc would never choose it for us. */
+static inline void sd_copy_nt(void *dst, const void *src, size_t n) {
+#if defined(__x86_64__)
+    char *d = (char *)dst;
+    const char *s = (const char *)src;
+    size_t head = (64 - ((uintptr_t)d & 63)) & 63;
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head; s += head; n -= head;
+    while (n >= 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s);
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+        d += 64; s += 64; n -= 64;
+    }
+    _mm_sfence();
+    memcpy(d, s, n);
+#else
+    memcpy(dst, src, n);
+#endif
 }
 
 /* One copy from another process's memory (cross-memory attach).

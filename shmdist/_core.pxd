@@ -13,4 +13,5 @@ cdef extern from "_atomics.h" nogil:
     int sd_futex_wait(uint32_t *addr, uint32_t val, long timeout_ns)
     int sd_futex_wake(uint32_t *addr, int n)
     int sd_yield()
+    void sd_copy_nt(void *dst, const void *src, size_t n)
     long sd_cma_read(int pid, void *dst, const void *src, size_t n)

@@ -11,7 +11,8 @@ from libc.string cimport memcmp, memcpy, memset
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_C_CONTIGUOUS
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from shmdist._core cimport (sd_load64, sd_store64, sd_load32, sd_store32, sd_add32,
-                            sd_fence, sd_relax, sd_futex_wait, sd_futex_wake, sd_yield, sd_cma_read)
+                            sd_fence, sd_relax, sd_futex_wait, sd_futex_wake, sd_yield, sd_cma_read,
+                            sd_copy_nt)
 
 # Layout of a per-process control block (CTL_BYTES each, in the job segment).
 cdef enum:
@@ -23,6 +24,16 @@ cdef enum:
     NOGIL_COPY = 65536  # copies at least this big drop the GIL
     SLICE = 131072      # a ring publishes its index after each slice this big
 CTL_BYTES = 256
+
+# Payloads of at least this many bytes are received with streaming stores
+# (see sd_copy_nt); set from shm.py at import, SHMDIST_STREAM_BYTES overrides.
+cdef uint64_t stream_min = 16 << 20
+
+
+def set_stream_min(uint64_t nbytes):
+    """Receive payloads of at least ``nbytes`` with streaming stores (0: never)."""
+    global stream_min
+    stream_min = nbytes if nbytes else <uint64_t>-1
 HEADER_BYTES = _HDR
 RING_CTL_BYTES = 4096 # head and tail of a ring, each on its own cache line
 
@@ -180,10 +191,16 @@ cdef class Ring:
             memcpy(self.data + off, src, first)
             memcpy(self.data, src + first, n - first)
 
-    cdef inline void _get(self, uint64_t at, uint8_t *dst, size_t n) noexcept nogil:
+    cdef inline void _get(self, uint64_t at, uint8_t *dst, size_t n, bint stream=False) noexcept nogil:
         cdef uint64_t off = at & self.mask
         cdef uint64_t first = self.size - off
-        if first >= n:
+        if stream:
+            if first >= n:
+                sd_copy_nt(dst, self.data + off, n)
+            else:
+                sd_copy_nt(dst, self.data + off, first)
+                sd_copy_nt(dst + first, self.data, n - first)
+        elif first >= n:
             memcpy(dst, self.data + off, n)
         else:
             memcpy(dst, self.data + off, first)
@@ -236,7 +253,7 @@ cdef class Ring:
             if pos < end and pos < _HDR + nbytes:
                 upto = min(end, _HDR + nbytes)
                 if dst != NULL:
-                    self._get(t, dst + pos - _HDR, upto - pos)
+                    self._get(t, dst + pos - _HDR, upto - pos, nbytes >= stream_min)
                 t += upto - pos
                 pos = upto
             t += end - pos
@@ -288,7 +305,7 @@ cdef class Ring:
             self._get(t + _HDR, <uint8_t *>addr, nbytes)
         else:
             with nogil:
-                self._get(t + _HDR, <uint8_t *>addr, nbytes)
+                self._get(t + _HDR, <uint8_t *>addr, nbytes, nbytes >= stream_min)
         sd_store64(self.tail, t + total)
         _ring_bell(self.other_ctl)
         return 1

@@ -20,6 +20,40 @@ _LAYOUT_AT = 64
 RING_BYTES_BY_RANKS = ((4, 2 << 20), (8, 1 << 20))   # up to N local ranks: bytes per ordered pair
 SMALL_RING_BYTES = 1 << 18                          # beyond: 16 ranks stay under 64 MiB
 RING_ENV = "SHMDIST_RING_BYTES"
+STREAM_ENV = "SHMDIST_STREAM_BYTES"
+
+
+def stream_bytes() -> int:
+    """Smallest payload received with streaming stores: SHMDIST_STREAM_BYTES
+    (0 turns them off), else half the last-level cache (at least 8 MiB).
+    A destination that big would not stay in the cache anyway, so writing
+    it around the cache saves reading every line before it is overwritten."""
+    raw = os.environ.get(STREAM_ENV)
+    if raw:
+        return int(raw, 0)
+    return max(last_level_cache() // 2, 8 << 20)
+
+
+def last_level_cache() -> int:
+    """Bytes of the largest CPU cache Linux reports (0 when it says nothing)."""
+    sizes = []
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = [e for e in os.listdir(base) if e.startswith("index")]
+    except OSError:
+        return 0
+    for index in entries:
+        try:
+            with open(f"{base}/{index}/size") as f:
+                text = f.read().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=0)
+
+
+_core.set_stream_min(stream_bytes())
 
 
 def ring_bytes_for(nlocal: int) -> int:

@@ -163,6 +163,34 @@ def test_both_ranks_isend_64_mib_before_irecv(run_ranks):
     assert run_ranks(exchange_both_ways, 2, 64 << 20) == [True, True]
 
 
+def streamed_at_odd_offsets(rank, world_size, init_method, sizes):
+    """Each message lands at another misalignment inside a larger buffer;
+    the bytes either side of it must stay untouched."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    bad = []
+    for i, n in enumerate(sizes):
+        if rank == 0:
+            dist.send(_pattern(n + 16, seed=i)[3:3 + n], dst=1).wait()
+        else:
+            off = 1 + i % 63
+            box = np.full(n + 128, 0xA5, dtype=np.uint8)
+            dist.recv(box[off:off + n], src=0).wait()
+            intact = (box[:off] == 0xA5).all() and (box[off + n:] == 0xA5).all()
+            if not (intact and np.array_equal(box[off:off + n], _pattern(n + 16, seed=i)[3:3 + n])):
+                bad.append(i)
+    dist.destroy_process_group()
+    return bad if rank == 1 else None
+
+
+@pytest.mark.parametrize("ring", [None, "65536"], ids=["default-ring", "64KiB-ring"])
+def test_streamed_receives_keep_every_byte_at_odd_offsets(run_ranks, ring):
+    """SHMDIST_STREAM_BYTES=1 sends every payload through the streaming-store
+    copy (normally only those of half the last-level cache and up)."""
+    sizes = [1, 15, 63, 64, 65, 127, 4095, 65536 + 17, (1 << 20) + 33, (3 << 20) + 5]
+    env = {"SHMDIST_STREAM_BYTES": "1", "SHMDIST_RING_BYTES": ring}
+    assert run_ranks(streamed_at_odd_offsets, 2, sizes, env=env) == [None, []]
+
+
 # ---------------------------------------------------------------- order, tags, sources
 
 def _mixed_sizes(count: int) -> list[int]:
