@@ -6,7 +6,7 @@ Everything above this module is plain Python. Addresses are passed as
 integers (``size_t``); the Python layers keep the objects that own the
 memory alive for as long as an address is in use.
 """
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
+from libc.stdint cimport uint8_t, uint16_t, int32_t, uint32_t, uint64_t, int64_t
 from libc.string cimport memcmp, memcpy, memset
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_C_CONTIGUOUS
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
@@ -286,6 +286,9 @@ cdef class Ring:
         ``addr`` and return 1. Return 0 when no complete record is there,
         -1 when the next record is another one (the caller then reads the
         header itself). Header layout: engine.HDR."""
+        return self._take(tag, gid, addr, nbytes, PyBytes_AS_STRING(dtype16))
+
+    cdef int _take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, const char *dtype16):
         cdef uint64_t t = sd_load64(self.tail)
         cdef uint64_t total = _HDR + ((nbytes + 63) & ~(<uint64_t>63))
         cdef uint8_t hdr[_HDR]
@@ -299,7 +302,7 @@ cdef class Ring:
         memcpy(&htag, hdr + 8, 8)
         memcpy(&hgid, hdr + 16, 8)
         memcpy(&hbytes, hdr + 32, 8)
-        if htag != tag or hgid != gid or hbytes != nbytes or memcmp(hdr + 40, PyBytes_AS_STRING(dtype16), 16):
+        if htag != tag or hgid != gid or hbytes != nbytes or memcmp(hdr + 40, dtype16, 16):
             return -1
         if nbytes < NOGIL_COPY:
             self._get(t + _HDR, <uint8_t *>addr, nbytes)
@@ -419,3 +422,306 @@ def all_same(size_t first, size_t stride, int n, size_t nbytes):
 
 def load_u64(size_t addr):
     return sd_load64(<const uint64_t *>addr)
+
+
+# ---------------------------------------------------------------- requests
+
+cdef class DistributedRequest:
+    """A pending operation. ``wait()`` blocks until it finished and returns
+    True, or raises the error that ended it (a DistError subclass);
+    ``is_completed()`` checks without blocking. Receives carry ``source``,
+    the global rank of the sender, once complete."""
+    cdef public object _engine
+    cdef public bint _done
+    cdef public object _error
+    cdef public object op
+    cdef public object source
+    cdef public object _then
+    cdef public object tensors
+    cdef public object _peers
+
+    def __init__(self, engine, op, tensors=None):
+        self._engine = engine
+        self.op = op
+        self.tensors = tensors
+        self._peers = ()
+
+    def wait(self, timeout=None):
+        if not self._done:
+            self._engine.wait_for(self, timeout)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self):
+        if not self._done:
+            self._engine.poll()
+        return self._done
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        """The tensors the operation produced (as torch's Work.result())."""
+        self.wait()
+        return self.tensors
+
+    cpdef _complete(self, error=None):
+        if self._done:
+            return
+        self._error = error
+        self._done = True
+        then, self._then = self._then, None
+        if then is not None:
+            then(self)
+
+    def __repr__(self):
+        state = "failed" if self._error is not None else ("completed" if self._done else "pending")
+        return f"<DistributedRequest {self.op} {state}>"
+
+
+# ---------------------------------------------------------------- the fast lane
+
+cdef extern from "Python.h":
+    int PyLong_Check(object o)
+    long long PyLong_AsLongLongAndOverflow(object o, int *overflow) except? -1
+
+cdef uint32_t _MAGIC = 0x444D4853   # "SHMD", engine.MAGIC; version 1 follows it
+
+
+cdef class Lane:
+    """The whole of a small send or receive between two local ranks in one
+    call, for the common case: a C-contiguous numpy array, the default
+    group, an int tag, nothing else pending that it would have to queue
+    behind. Anything else returns None and goes the general way (engine.py),
+    which also raises the errors. The engine's lock is held while a ring
+    is touched, as the engine itself does.
+
+    A receive whose message has not arrived yet is kept here as the one
+    *pending* fast receive rather than posted; the engine posts it
+    (``settle``) before it matches anything else, so the order of receives
+    is the order they were posted. ``wait()`` on it spins on its ring alone.
+    """
+    cdef int rank
+    cdef list outs, ins
+    cdef list send_ops, recv_ops
+    cdef public dict dtypes      # numpy dtype -> its 16-byte header field, filled by the general path
+    cdef object acquire, release
+    cdef dict sendq, rx
+    cdef list posted, unexpected
+    cdef object engine
+    cdef object peers            # (src,) tuples, per rank
+    cdef public DistributedRequest pending
+    cdef public unsigned long long sends, recvs   # operations the lane took whole
+    cdef Ring p_ring
+    cdef object p_arr
+    cdef int p_src
+    cdef int64_t p_tag
+    cdef size_t p_addr
+    cdef uint64_t p_nbytes
+    cdef bytes p_dtype16
+    cdef int64_t a_tag
+    cdef bytes a_dtype16
+
+    def __cinit__(self, engine, int rank, int size, dict outs, dict ins):
+        self.engine = engine
+        self.rank = rank
+        self.outs = [outs.get(r) if isinstance(outs.get(r), Ring) else None for r in range(size)]
+        self.ins = [ins.get(r) if isinstance(ins.get(r), Ring) else None for r in range(size)]
+        self.send_ops = [f"send to rank {r}" for r in range(size)]
+        self.recv_ops = [f"recv from rank {r}" for r in range(size)]
+        self.peers = [(r,) for r in range(size)]
+        self.dtypes = {}
+        self.acquire = engine.lock.acquire
+        self.release = engine.lock.release
+        self.sendq = engine.sendq
+        self.rx = engine.rx
+        self.posted = engine.posted
+        self.unexpected = engine.unexpected
+        self.pending = None
+
+    cdef int _header(self, uint8_t *hdr, Py_buffer *view, int64_t tag, bytes dtype16) except -1:
+        cdef int i
+        cdef int64_t zero = 0, d
+        cdef int32_t src = self.rank
+        cdef uint64_t nbytes = view.len
+        memset(hdr, 0, _HDR)
+        memcpy(hdr, &_MAGIC, 4)
+        hdr[4] = 1
+        hdr[6] = <uint8_t>view.ndim
+        memcpy(hdr + 8, &tag, 8)
+        memcpy(hdr + 16, &zero, 8)
+        memcpy(hdr + 24, &src, 4)
+        memcpy(hdr + 32, &nbytes, 8)
+        memcpy(hdr + 40, PyBytes_AS_STRING(dtype16), 16)
+        for i in range(view.ndim):
+            d = view.shape[i]
+            memcpy(hdr + 56 + 8 * i, &d, 8)
+        return 0
+
+    cdef Ring _args(self, arr, peer, tag, list chans):
+        """The ring when (peer, tag, dtype) suit the fast lane, else None;
+        the tag and dtype field are left in a_tag and a_dtype16 (read them
+        at once: the GIL may pass to another thread later)."""
+        cdef int overflow = 0
+        cdef long long p, t
+        if not PyLong_Check(peer) or not PyLong_Check(tag) or isinstance(peer, bool):
+            return None
+        p = PyLong_AsLongLongAndOverflow(peer, &overflow)
+        if overflow or p < 0 or p >= len(chans):
+            return None
+        t = PyLong_AsLongLongAndOverflow(tag, &overflow)
+        if overflow or isinstance(tag, bool):
+            return None
+        r = chans[p]
+        if r is None:
+            return None
+        d = self.dtypes.get(arr.dtype)
+        if d is None:
+            return None
+        self.a_tag = t
+        self.a_dtype16 = <bytes>d
+        return <Ring>r
+
+    def send(self, arr, dst, tag):
+        """The completed request of a send written whole into its ring now, or None."""
+        cdef Ring ring = None
+        cdef int64_t t
+        cdef bytes dtype16 = None
+        cdef Py_buffer view
+        cdef uint8_t hdr[_HDR]
+        cdef uint64_t total, free, h
+        cdef DistributedRequest req
+        ring = self._args(arr, dst, tag, self.outs)
+        if ring is None:
+            return None
+        t, dtype16 = self.a_tag, self.a_dtype16
+        try:
+            PyObject_GetBuffer(arr, &view, PyBUF_C_CONTIGUOUS)
+        except (BufferError, ValueError):
+            return None         # not contiguous: the general path sends a contiguous copy
+        try:
+            if view.ndim > 8:
+                return None
+            total = _HDR + ((<uint64_t>view.len + 63) & ~(<uint64_t>63))
+            if total > ring.size:
+                return None
+            self._header(hdr, &view, t, dtype16)
+            self.acquire()
+            try:
+                if self.sendq:
+                    return None
+                h = sd_load64(ring.head)
+                free = ring.size - (h - ring.cached_tail)
+                if free < total:
+                    ring.cached_tail = sd_load64(ring.tail)
+                    free = ring.size - (h - ring.cached_tail)
+                    if free < total:
+                        return None
+                if view.len < NOGIL_COPY:
+                    ring._push(hdr, <const uint8_t *>view.buf, view.len, 0, total)
+                else:
+                    with nogil:
+                        ring._push(hdr, <const uint8_t *>view.buf, view.len, 0, total)
+            finally:
+                self.release()
+        finally:
+            PyBuffer_Release(&view)
+        self.sends += 1
+        req = DistributedRequest.__new__(DistributedRequest)
+        req._engine = self.engine
+        req.op = self.send_ops[dst]
+        req._peers = self.peers[dst]
+        req._done = True
+        return req
+
+    def recv(self, arr, src, tag):
+        """The request of a receive from ``src``: completed when its message
+        was already there, else the pending fast receive; None when the
+        general path must take it."""
+        cdef Ring ring = None
+        cdef int64_t t
+        cdef bytes dtype16 = None
+        cdef Py_buffer view
+        cdef uint64_t total
+        cdef size_t addr
+        cdef int got
+        cdef DistributedRequest req
+        if self.pending is not None:
+            return None
+        ring = self._args(arr, src, tag, self.ins)
+        if ring is None:
+            return None
+        t, dtype16 = self.a_tag, self.a_dtype16
+        try:
+            PyObject_GetBuffer(arr, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+        except (BufferError, ValueError):
+            return None         # read-only or not contiguous: the general path says or handles it
+        addr, total = <size_t>view.buf, _HDR + ((<uint64_t>view.len + 63) & ~(<uint64_t>63))
+        nbytes = view.len
+        PyBuffer_Release(&view)
+        if total > SLICE:       # bigger ones are copied out slice by slice as they arrive
+            return None
+        req = DistributedRequest.__new__(DistributedRequest)
+        req._engine = self.engine
+        req.op = self.recv_ops[src]
+        req._peers = self.peers[src]
+        req.tensors = [arr]
+        self.acquire()
+        try:
+            if self.posted or self.unexpected or self.rx[src] is not None:
+                return None
+            got = ring._take(t, 0, addr, nbytes, PyBytes_AS_STRING(dtype16))
+            if got < 0:
+                return None
+            self.recvs += 1
+            if got > 0:
+                req.source = src
+                req._done = True
+                return req
+            self.pending = req
+            self.p_ring, self.p_arr, self.p_src, self.p_tag = ring, arr, src, t
+            self.p_addr, self.p_nbytes, self.p_dtype16 = addr, nbytes, dtype16
+        finally:
+            self.release()
+        return req
+
+    def settle(self):
+        """Post the pending fast receive to the engine (lock held)."""
+        req = self.pending
+        if req is not None:
+            self.pending = None
+            self.engine.post_recv(req, self.p_arr, self.p_src, self.p_tag)
+            self.p_arr = None
+
+    def wait_pending(self, DistributedRequest req, long spin):
+        """Spin up to ``spin`` pauses for ``req``, the pending fast receive,
+        on its ring alone while nothing else is pending. True when it
+        completed; else it is posted to the engine, which waits for it."""
+        cdef Ring ring = self.p_ring
+        cdef uint64_t total = _HDR + ((self.p_nbytes + 63) & ~(<uint64_t>63))
+        cdef uint64_t t
+        cdef long i
+        if req is not self.pending:
+            return False
+        if not self.sendq:
+            t = sd_load64(ring.tail)
+            with nogil:
+                for i in range(spin):
+                    if sd_load64(ring.head) - t >= total:
+                        break
+                    sd_relax()
+        self.acquire()
+        try:
+            if req is not self.pending:
+                return req._done
+            if ring._take(self.p_tag, 0, self.p_addr, self.p_nbytes, PyBytes_AS_STRING(self.p_dtype16)) > 0:
+                self.pending = None
+                self.p_arr = None
+                req.source = self.p_src
+                req._done = True
+                return True
+            self.settle()
+        finally:
+            self.release()
+        return False

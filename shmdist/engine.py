@@ -28,7 +28,7 @@ import numpy as np
 
 from shmdist import _core
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
-from shmdist.tensors import MAX_DIMS, describe
+from shmdist.tensors import MAX_DIMS, as_buf, describe
 
 MAGIC = 0x444D4853  # "SHMD"
 VERSION = 1
@@ -42,7 +42,7 @@ _headers: dict = {}
 _dtype_fields: dict = {}
 
 
-def _dtype16(dtype: str) -> bytes:
+def dtype_field(dtype: str) -> bytes:
     """A dtype name as the header carries it (16 bytes, zero-padded)."""
     field = _dtype_fields.get(dtype)
     if field is None:
@@ -136,6 +136,7 @@ class Engine:
         self.peer_pids = peer_pids
         self.backoff = Backoff(oversubscribed)
         self.closed = False
+        self.lane = _core.Lane(self, rank, 1 + max([rank, *chan_out, *chan_in]), chan_out, chan_in)
 
     # ------------------------------------------------------------ posting
 
@@ -162,9 +163,11 @@ class Engine:
     def recv(self, req, buf, src: int | None, gid: int, tag: int, members) -> None:
         r = _Recv()
         r.req, r.src, r.gid, r.tag, r.buf = req, src, gid, tag, buf
-        r.dtype16 = _dtype16(buf.dtype)
+        r.dtype16 = dtype_field(buf.dtype)
         req._peers = (src,) if src is not None else tuple(m for m in members if m != self.rank)
         with self.lock:
+            if self.lane.pending is not None:
+                self.lane.settle()      # posted before this one: it matches first
             for inc in self.unexpected:
                 if inc.claimed is None and inc.matches(r):
                     if self._fits(r, inc):
@@ -175,6 +178,15 @@ class Engine:
                     return
             self.posted.append(r)
             self.progress(drain=False)   # the caller may be about to post the receives for what follows
+
+    def post_recv(self, req, arr, src: int, tag: int) -> None:
+        """Post the fast lane's pending receive (lock held): as recv() would
+        have when it was called, without looking for a match yet."""
+        r = _Recv()
+        r.req, r.src, r.gid, r.tag = req, src, 0, tag
+        r.buf = as_buf(arr, writable=True, who=f"rank {self.rank}: recv")
+        r.dtype16 = dtype_field(r.buf.dtype)
+        self.posted.append(r)
 
     # ------------------------------------------------------------ progress
 
@@ -190,6 +202,8 @@ class Engine:
         ranks that both send large messages before receiving do not
         deadlock); when not, it stays in the ring for a receive posted soon,
         which then gets it without the extra copy."""
+        if self.lane.pending is not None:
+            self.lane.settle()
         if self.sendq:
             for dst in list(self.sendq):
                 q = self.sendq[dst]
@@ -300,6 +314,8 @@ class Engine:
     def wait_for(self, req, timeout: float | None) -> None:
         """Block until ``req`` is done, its deadline passes, or a peer it
         depends on is gone."""
+        if self.lane.pending is req and self.lane.wait_pending(req, self.backoff.spin):
+            return
         limit = self.timeout if timeout is None else float(timeout)
         start = time.monotonic()
         deadline = start + limit
@@ -405,6 +421,7 @@ class Engine:
 
     def close(self) -> None:
         self.closed = True
+        self.lane.pending = None
         for fd in self.pidfds.values():
             if fd is not None and fd >= 0:
                 os.close(fd)

@@ -13,8 +13,10 @@ import json
 import os
 import threading
 
+import numpy as np
+
 from shmdist import collectives, rendezvous
-from shmdist.engine import Engine
+from shmdist.engine import Engine, dtype_field
 from shmdist.errors import DistError, DistMismatchError, DistNotInitializedError
 from shmdist.request import DistributedRequest
 from shmdist.shm import ShmHost
@@ -113,6 +115,7 @@ class World:
 
 
 _world: World | None = None
+_lane = None    # _world's engine.lane while _world may be used: send/recv try it first
 
 
 def world(op: str = "this call") -> World:
@@ -131,6 +134,8 @@ def world(op: str = "this call") -> World:
 
 def _mark_forked() -> None:
     """In a forked child: the inherited group belongs to the parent."""
+    global _lane
+    _lane = None
     if _world is not None:
         _world.forked = True
 
@@ -142,8 +147,8 @@ os.register_at_fork(after_in_child=_mark_forked)
 def _close_at_exit() -> None:
     """A script that never called destroy_process_group still says goodbye,
     so its peers learn it left rather than died."""
-    global _world
-    w, _world = _world, None
+    global _world, _lane
+    w, _world, _lane = _world, None, None
     if w is not None:
         w.close()
 
@@ -152,7 +157,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                        world_size: int = -1, rank: int = -1, store=None, group_name: str = "",
                        pg_options=None, device_id=None) -> None:
     """Join the job: meet the other ranks, map shared memory, build the default group."""
-    global _world
+    global _world, _lane
     if _world is not None and not _world.forked:
         raise DistError(f"rank {_world.rank}: init_process_group: trying to initialize the default "
                         "process group twice; call destroy_process_group first")
@@ -199,7 +204,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                             "each rank needs a few per peer and rank 0 a few more for the store: raise "
                             "the limit (ulimit -n)") from e
         raise
-    _world = w
+    _world, _lane = w, w.engine.lane
 
 
 def _setup(w: World) -> None:
@@ -261,10 +266,10 @@ def _open_collectives(w: World, g: ProcessGroup):
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Leave the job (default group) or retire one group. Pending sends that
     have not completed are dropped; completed ones stay deliverable."""
-    global _world
+    global _world, _lane
     w = world("destroy_process_group")
     if group is None or group is w.default:
-        _world = None
+        _world = _lane = None
         w.close()
         return
     group.destroyed = True
@@ -360,16 +365,30 @@ def _member(w: World, g: ProcessGroup, op: str) -> None:
 def _tag(w, tag, op) -> int:
     if not isinstance(tag, int) or isinstance(tag, bool):
         raise TypeError(f"rank {w.rank}: {op}: tag must be an int, got {tag!r}")
+    if not -(1 << 63) <= tag < (1 << 63):
+        raise DistError(f"rank {w.rank}: {op}: tag {tag} does not fit in 64 bits; use a tag between "
+                        f"{-(1 << 63)} and {(1 << 63) - 1}")
     return tag
+
+
+def _learn(w: World, tensor, buf) -> None:
+    """Teach the fast lane a numpy dtype the general path accepted."""
+    if tensor.__class__ is np.ndarray:
+        w.engine.lane.dtypes[tensor.dtype] = dtype_field(buf.dtype)
 
 
 def send(tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> DistributedRequest:
     """Send ``tensor`` to global rank ``dst``. Returns at once; ``wait()``
     returns when the bytes are handed over (the tensor may be reused then)."""
+    if _lane is not None and group is None and tensor.__class__ is np.ndarray:
+        req = _lane.send(tensor, dst, tag)
+        if req is not None:
+            return req
     w, g = _group(group, "send")
     _member(w, g, "send")
     dst = _peer(w, g, dst, "send", "dst")
     buf = as_buf(tensor, writable=False, who=f"rank {w.rank}: send")
+    _learn(w, tensor, buf)
     req = DistributedRequest(w.engine, f"send to rank {dst}")
     w.engine.send(req, buf, dst, g.gid, _tag(w, tag, "send"))
     return req
@@ -379,11 +398,16 @@ def recv(tensor, src: int | None = None, group: ProcessGroup | None = None,
          tag: int = 0) -> DistributedRequest:
     """Receive into ``tensor`` from global rank ``src`` (any rank when None).
     The request's ``source`` tells the sender once complete."""
+    if _lane is not None and group is None and tensor.__class__ is np.ndarray and src is not None:
+        req = _lane.recv(tensor, src, tag)
+        if req is not None:
+            return req
     w, g = _group(group, "recv")
     _member(w, g, "recv")
     if src is not None:
         src = _peer(w, g, src, "recv", "src")
     buf = as_buf(tensor, writable=True, who=f"rank {w.rank}: recv")
+    _learn(w, tensor, buf)
     req = DistributedRequest(w.engine, f"recv from rank {src}" if src is not None else "recv from any rank",
                              [tensor])
     w.engine.recv(req, buf, src, g.gid, _tag(w, tag, "recv"), g.ranks)

@@ -1,0 +1,213 @@
+"""The fast lane (``_core.Lane``): small sends and receives of numpy arrays
+between local ranks in one C call. It must behave exactly as the general
+path: receives match in the order they were posted, however they were
+posted; a wrong size, a timeout or a dead peer ends the same way; anything
+the lane cannot take (torch, non-contiguous, groups, any-source) still works.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import shmdist as dist
+from shmdist import group as group_module
+from shmdist.errors import DistMismatchError, DistTimeoutError
+
+
+def _init(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+
+
+def _lane_counts():
+    lane = group_module._lane
+    return lane.sends, lane.recvs
+
+
+def _teach(rank, dtype=np.int64):
+    """One exchange through the general path, after which the lane knows the dtype."""
+    box = np.zeros(1, dtype=dtype)
+    if rank == 0:
+        dist.send(box, 1).wait()
+        dist.recv(box, 1).wait()
+    else:
+        dist.recv(box, 0).wait()
+        dist.send(box, 0).wait()
+
+
+def pending_then_general(rank, world_size, init_method):
+    """A pending fast receive, then an any-source and a fast one behind it:
+    three messages fill them in posting order."""
+    _init(rank, world_size, init_method)
+    _teach(rank)
+    go = np.zeros(1, dtype=np.int64)
+    if rank == 0:
+        dist.recv(go, 1).wait()
+        for v in (1, 2, 3):
+            dist.send(np.array([v]), 1).wait()
+        result = _lane_counts()[0] >= 3
+    else:
+        a, b, c = (np.zeros(1, dtype=np.int64) for _ in range(3))
+        ra = dist.irecv(a, 0)
+        rb = dist.irecv(b)          # any source: the general path; the pending one goes first
+        rc = dist.irecv(c, 0)
+        dist.send(go, 0).wait()
+        for r in (rc, rb, ra):      # waiting out of order changes nothing
+            r.wait()
+        result = ([int(a[0]), int(b[0]), int(c[0])], rb.source, _lane_counts()[1] >= 1)   # a went the fast way
+    dist.destroy_process_group()
+    return result
+
+
+def test_receives_match_in_posting_order_across_lanes(run_ranks):
+    assert run_ranks(pending_then_general, 2) == [True, ([1, 2, 3], 0, True)]
+
+
+def wrong_size_while_pending(rank, world_size, init_method):
+    _init(rank, world_size, init_method)
+    _teach(rank)
+    if rank == 0:
+        dist.send(np.arange(2, dtype=np.int64), 1).wait()
+        result = None
+    else:
+        small = np.zeros(1, dtype=np.int64)
+        req = dist.irecv(small, 0)
+        try:
+            req.wait()
+            result = "no error"
+        except DistMismatchError as e:
+            right = np.zeros(2, dtype=np.int64)
+            dist.recv(right, 0).wait()        # the message was kept for the next receive
+            result = ("expected 8 bytes" in str(e) and "got 16 bytes" in str(e), right.tolist(),
+                      int(small[0]))
+    dist.destroy_process_group()
+    return result
+
+
+def test_wrong_size_fails_that_receive_and_keeps_the_message(run_ranks):
+    assert run_ranks(wrong_size_while_pending, 2) == [None, (True, [0, 1], 0)]
+
+
+def timeout_while_pending(rank, world_size, init_method):
+    _init(rank, world_size, init_method)
+    _teach(rank)
+    go = np.zeros(1, dtype=np.int64)
+    if rank == 0:
+        dist.recv(go, 1).wait()
+        dist.send(np.array([42]), 1).wait()
+        result = None
+    else:
+        first = np.zeros(1, dtype=np.int64)
+        try:
+            dist.recv(first, 0).wait(timeout=0.3)
+            timed_out = False
+        except DistTimeoutError as e:
+            timed_out = "cancelled" in str(e)
+        dist.send(go, 0).wait()
+        second = np.zeros(1, dtype=np.int64)
+        dist.recv(second, 0).wait()
+        result = (timed_out, int(first[0]), int(second[0]))
+    dist.destroy_process_group()
+    return result
+
+
+def test_a_timed_out_pending_receive_is_withdrawn(run_ranks):
+    assert run_ranks(timeout_while_pending, 2) == [None, (True, 0, 42)]
+
+
+def _cases():
+    """(array to send, its receive buffer) for shapes the lane takes and ones it leaves."""
+    rng = np.random.default_rng(5)
+    big = rng.integers(0, 255, 100_000, dtype=np.uint8)
+    return [
+        (np.array(7, dtype=np.int32), np.zeros((), dtype=np.int32)),                 # 0-d
+        (np.zeros(0, dtype=np.float64), np.zeros(0, dtype=np.float64)),               # empty
+        (np.arange(12, dtype=np.float32).reshape(3, 4), np.zeros((3, 4), np.float32)),
+        (np.arange(512, dtype=np.int16).reshape((2,) * 9), np.zeros((2,) * 9, np.int16)),  # 9 dims
+        (np.arange(20, dtype=np.int64)[::2], np.zeros(10, dtype=np.int64)),           # strided send
+        (np.arange(10, dtype=np.int64), np.zeros(20, dtype=np.int64)[::2]),           # strided receive
+        (big, np.zeros_like(big)),                                                    # > one slice
+        (np.array([True, False]), np.zeros(2, dtype=bool)),
+    ]
+
+
+def every_shape(rank, world_size, init_method):
+    _init(rank, world_size, init_method)
+    bad = []
+    for rounds in range(3):       # the first round teaches the lane the dtypes
+        for i, (data, box) in enumerate(_cases()):
+            if rank == 0:
+                dist.send(data, 1).wait()
+                dist.recv(box, 1).wait()
+            else:
+                dist.recv(box, 0).wait()
+                dist.send(box, 0).wait()
+            if not np.array_equal(box, data):
+                bad.append((rounds, i))
+    counts = _lane_counts()
+    dist.destroy_process_group()
+    return bad, counts[0] > 0 and counts[1] > 0
+
+
+def test_every_shape_and_layout_arrives_intact(run_ranks):
+    assert run_ranks(every_shape, 2) == [([], True), ([], True)]
+
+
+def threads_share_the_lane(rank, world_size, init_method, count):
+    """Two threads per rank, each its own tag: the lane's lock keeps the ring whole."""
+    _init(rank, world_size, init_method)
+    _teach(rank)
+    bad = []
+
+    def run(tag):
+        for i in range(count):
+            if rank == 0:
+                dist.send(np.full(16 + tag, i, dtype=np.int64), 1, tag=tag).wait()
+            else:
+                box = np.zeros(16 + tag, dtype=np.int64)
+                dist.recv(box, 0, tag=tag).wait()
+                if not (box == i).all():
+                    bad.append((tag, i))
+
+    threads = [threading.Thread(target=run, args=(tag,)) for tag in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    dist.destroy_process_group()
+    return bad
+
+
+def test_two_threads_per_rank_send_and_receive_through_the_lane(run_ranks):
+    assert run_ranks(threads_share_the_lane, 2, 2000, timeout=90) == [[], []]
+
+
+def errors_still_named(rank, world_size, init_method):
+    """Bad arguments are refused by the general path's checks, with its words."""
+    _init(rank, world_size, init_method)
+    _teach(rank)
+    box = np.zeros(1, dtype=np.int64)
+    said = []
+    for call in (lambda: dist.send(box, rank), lambda: dist.send(box, 5), lambda: dist.send(box, 1.0),
+                 lambda: dist.recv(box, rank), lambda: dist.send(box, 1 - rank, tag=2 ** 70)):
+        try:
+            call()
+            said.append("accepted")
+        except (dist.DistError, TypeError) as e:
+            said.append(type(e).__name__)
+    readonly = np.zeros(1, dtype=np.int64)
+    readonly.setflags(write=False)
+    try:
+        dist.recv(readonly, 1 - rank)
+        said.append("accepted")
+    except dist.DistError as e:
+        said.append("read-only" in str(e))
+    dist.destroy_process_group()
+    return said
+
+
+def test_bad_arguments_get_the_general_paths_errors(run_ranks):
+    said = run_ranks(errors_still_named, 2)
+    for per_rank in said:
+        assert per_rank == ["DistError", "DistError", "TypeError", "DistError", "DistError", True]
