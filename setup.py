@@ -15,7 +15,7 @@ ext = Extension(
     "shmdist._core",
     sources=["shmdist/_core.pyx"],
     include_dirs=["shmdist"],
-    extra_compile_args=["-O3", "-fno-strict-aliasing"],
+    extra_compile_args=["-O3", "-fno-strict-aliasing", "-fwrapv"],
 )
 
 setup(

@@ -357,17 +357,94 @@ cdef inline int _all_reached(const uint8_t *flags, size_t stride, int n, uint64_
     return 1
 
 
-def arrive(size_t flag, uint64_t value, uint64_t[::1] ctls):
-    """Publish ``value`` in this rank's phase flag, then wake those of
-    ``ctls`` (the other members' control blocks) that sleep."""
+def enter_phase(size_t flags, size_t stride, int n, int me, uint64_t target, size_t desc_at,
+                bytes desc, uint64_t[::1] others, size_t ctl, long spin, long yields):
+    """One phase of a collective in one call: write this member's call
+    descriptor (``desc`` at ``desc_at`` of its control slot, unless None),
+    publish ``target`` as its phase, wake the members in ``others`` that
+    sleep, then spin and yield until every member's phase reached it.
+
+    Returns 2 (reached while spinning) or 1 (while yielding), and -1 when
+    reached but the descriptors differ; 0 when not reached yet (the caller
+    then sleeps in wait_phase, and compares with all_same after it)."""
+    cdef uint8_t *mine = <uint8_t *>(flags + me * stride)
+    cdef const uint8_t *f = <const uint8_t *>flags
     cdef Py_ssize_t i
-    cdef uint32_t *sleeping
-    sd_store64(<uint64_t *>flag, value)
+    cdef long k
+    cdef int done = 0
+    if desc is not None:
+        memcpy(mine + desc_at, PyBytes_AS_STRING(desc), len(desc))
+    sd_store64(<uint64_t *>mine, target)
     sd_fence()
-    for i in range(ctls.shape[0]):
-        if sd_load32(_u32(<size_t>ctls[i] + _SLEEPING)):
-            sd_add32(_u32(<size_t>ctls[i] + _BELL), 1)
-            sd_futex_wake(_u32(<size_t>ctls[i] + _BELL), 0x7fffffff)
+    for i in range(others.shape[0]):
+        if sd_load32(_u32(<size_t>others[i] + _SLEEPING)):
+            sd_add32(_u32(<size_t>others[i] + _BELL), 1)
+            sd_futex_wake(_u32(<size_t>others[i] + _BELL), 0x7fffffff)
+    for k in range(spin):
+        if _all_reached(f, stride, n, target):
+            done = 2
+            break
+        sd_relax()
+    if not done:
+        with nogil:
+            for k in range(yields):
+                if _all_reached(f, stride, n, target):
+                    done = 1
+                    break
+                sd_yield()
+    if done and desc is not None:
+        for i in range(1, n):
+            if memcmp(f + desc_at, f + i * stride + desc_at, len(desc)):
+                return -1
+    return done
+
+
+ctypedef fused _num:
+    float
+    double
+    int32_t
+    int64_t
+
+
+cdef void _reduce_rows(_num *out, size_t first, size_t stride, int n, size_t count, int op) noexcept nogil:
+    """out = row 0 op row 1 op ... (rank order, as numpy's ufunc.reduce along
+    the first axis does, so both give the same bits); ``op`` 0 SUM,
+    1 PRODUCT, 2 MIN, 3 MAX (MIN and MAX for integers only: numpy's NaN
+    rules are its own). Integer overflow wraps (-fwrapv), as in numpy."""
+    cdef const _num *row
+    cdef size_t i
+    cdef int j
+    memcpy(out, <const void *>first, count * sizeof(_num))
+    for j in range(1, n):
+        row = <const _num *>(first + j * stride)
+        if op == 0:
+            for i in range(count):
+                out[i] = out[i] + row[i]
+        elif op == 1:
+            for i in range(count):
+                out[i] = out[i] * row[i]
+        elif op == 2:
+            for i in range(count):
+                if row[i] < out[i]:
+                    out[i] = row[i]
+        else:
+            for i in range(count):
+                if row[i] > out[i]:
+                    out[i] = row[i]
+
+
+def reduce_rows(int kind, int op, size_t out, size_t first, size_t stride, int n, size_t count):
+    """The C reduction of small all_reduce (see _reduce_rows); ``kind`` 0
+    float32, 1 float64, 2 int32, 3 int64."""
+    with nogil:
+        if kind == 0:
+            _reduce_rows[float](<float *>out, first, stride, n, count, op)
+        elif kind == 1:
+            _reduce_rows[double](<double *>out, first, stride, n, count, op)
+        elif kind == 2:
+            _reduce_rows[int32_t](<int32_t *>out, first, stride, n, count, op)
+        else:
+            _reduce_rows[int64_t](<int64_t *>out, first, stride, n, count, op)
 
 
 def wait_phase(size_t flags, size_t stride, int n, uint64_t target, size_t ctl,

@@ -54,9 +54,14 @@ def _done(op, async_op, tensors, bufs=()):
     return completed(op, tensors) if async_op else None
 
 
+_CHECKED: set = set()   # (op, dtype) pairs check() accepted
+
+
 def _reducible(buf, op, who):
     arr = typed_view(buf)
-    check(op, buf.dtype, None if arr is None else arr.dtype.kind, who)
+    if (op, buf.dtype) not in _CHECKED:
+        check(op, buf.dtype, None if arr is None else arr.dtype.kind, who)
+        _CHECKED.add((op, buf.dtype))
     return arr
 
 
@@ -104,6 +109,8 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     w, g, comm = _enter("all_reduce", group)
     if comm is None:
         return None
+    if tensor.__class__ is np.ndarray and op.__class__ is ReduceOp and comm.quick_all_reduce(tensor, op, g.timeout):
+        return completed("all_reduce", [tensor]) if async_op else None
     who = f"rank {w.rank}: all_reduce"
     op = as_op(op, who)
     buf = as_buf(tensor, writable=True, who=who)

@@ -28,7 +28,8 @@ import numpy as np
 
 from shmdist import _core, segment
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
-from shmdist.reduce_ops import ReduceOp, reduce_into
+from shmdist.reduce_ops import ReduceOp, reduce_into, reduce_rows
+from shmdist.tensors import describe
 
 CTL_STRIDE = 256                      # per member: phase u64 at 0, descriptors at 64 and 128
 _DESC = struct.Struct("<QQQqq16sQ")   # 0 (reserved), kind, bytes, op, root, dtype, extra
@@ -63,6 +64,27 @@ def _parts(count: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
+_QUICK_KINDS = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2,
+                np.dtype(np.int64): 3}
+_QUICK_OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MIN: 2, ReduceOp.MAX: 3}
+
+
+def _quick_plan(dtype: np.dtype, op: ReduceOp) -> tuple | None:
+    """(dtype code, op code, dtype name) of _core.reduce_rows, or None when
+    numpy must do it (other dtypes, AVG and bitwise ops, and MIN/MAX of
+    floats, whose NaN rules are numpy's)."""
+    kind, code = _QUICK_KINDS.get(dtype), _QUICK_OPS.get(op)
+    if kind is None or code is None or (code >= 2 and kind <= 1):
+        return None
+    return kind, code, dtype.name
+
+
+def _said(what) -> str:
+    """The name of the call in an error: a string, or a function that makes
+    it (formatting it for every call would cost more than a small collective)."""
+    return what() if callable(what) else what
+
+
 def open_group(world, group) -> "GroupComm":
     """Create (lowest member) or attach the group's arena. Members only."""
     n = group.size()
@@ -95,6 +117,10 @@ class GroupComm:
         self.phase = 0
         self.calls = 0
         self.packed: dict[tuple, bytes] = {}   # descriptors already packed, by call
+        self.rows: dict[tuple, np.ndarray] = {}  # _rows views, by (parity, count, dtype)
+        self.quick: dict[tuple, tuple | None] = {}   # quick_all_reduce plans, by (dtype, op)
+        self.small = min(SMALL_ALLREDUCE, self.slot)
+        self.row_stride = self.buffers[1][0] - self.buffers[0][0] if self.n > 1 else 0
         self.broken: str | None = None
         self.lock = threading.Lock()
         self.backoff = world.engine.backoff
@@ -114,16 +140,25 @@ class GroupComm:
     def _buf(self, member: int, parity: int) -> int:
         return self.buffers[member][parity]
 
-    def _pass(self, what: str, timeout: float) -> None:
-        """Arrive at the next phase and wait for every member."""
+    def _pass(self, what, timeout: float, desc: bytes | None = None, desc_at: int = 0) -> int:
+        """Arrive at the next phase and wait for every member. With ``desc``,
+        first publish this call's descriptor; returns -1 when the members'
+        descriptors then differ."""
         self.phase += 1
         target = self.phase
-        _core.arrive(self.ctl[self.me], target, self.others)
         b = self.backoff
-        how = _core.wait_phase(self.ctl[0], CTL_STRIDE, self.n, target, self.my_bell, b.spin, b.yields, 0.0)
+        how = _core.enter_phase(self.ctl[0], CTL_STRIDE, self.n, self.me, target, desc_at, desc,
+                                self.others, self.my_bell, b.spin, b.yields)
         b.update(how or 1)   # not caught while spinning: spin less next time
         if how:
-            return
+            return how
+        self._sleep_until(target, what, timeout)
+        if desc is not None and not _core.all_same(self.ctl[0] + desc_at, CTL_STRIDE, self.n, len(desc)):
+            return -1
+        return 1
+
+    def _sleep_until(self, target: int, what, timeout: float) -> None:
+        what = _said(what)
         start = time.monotonic()
         deadline = start + timeout
         while not _core.wait_phase(self.ctl[0], CTL_STRIDE, self.n, target, self.my_bell, 0, 0,
@@ -144,10 +179,10 @@ class GroupComm:
                     f"{waiting} of group {list(self.group.ranks)}; they have not called it. This "
                     "group can no longer run collectives: destroy it (or the job) and start again")
 
-    def _first_pass(self, what: str, desc: tuple, timeout: float) -> None:
+    def _first_pass(self, what, desc: tuple, timeout: float) -> None:
         """The first phase of a call: publish the descriptor, pass, compare."""
         if self.broken:
-            raise DistError(f"rank {self.rank}: {what}: group {list(self.group.ranks)} is unusable "
+            raise DistError(f"rank {self.rank}: {_said(what)}: group {list(self.group.ranks)} is unusable "
                             f"since {self.broken}; destroy it and create a new one")
         parity = self.calls % 2
         self.calls += 1
@@ -159,14 +194,11 @@ class GroupComm:
             if len(self.packed) >= 1024:
                 self.packed.clear()
             self.packed[desc] = packed
-        at = 64 + 64 * parity
-        _core.put(self.ctl[self.me] + at, packed)
-        self._pass(what, timeout)
-        if not _core.all_same(self.ctl[0] + at, CTL_STRIDE, self.n, _DESC.size):
+        if self._pass(what, timeout, packed, 64 + 64 * parity) < 0:
             descs = [self._read_desc(i, parity) for i in range(self.n)]
             calls = "; ".join(f"rank {self.group.ranks[i]} called {_describe(d)}" for i, d in enumerate(descs))
             raise DistMismatchError(
-                f"rank {self.rank}: {what}: the ranks of group {list(self.group.ranks)} disagree on "
+                f"rank {self.rank}: {_said(what)}: the ranks of group {list(self.group.ranks)} disagree on "
                 f"collective #{self.calls}: {calls}. Every rank of a group must call the same "
                 "collectives in the same order, with the same sizes, dtypes, ops and roots")
 
@@ -175,6 +207,21 @@ class GroupComm:
 
     def _read_desc(self, member: int, parity: int) -> tuple:
         return _DESC.unpack_from(self.seg.mm, self._desc_at(member, parity))
+
+    def _rows(self, parity: int, count: int, dtype) -> np.ndarray:
+        """The first ``count`` elements of every member's buffer ``parity``
+        as one (members, count) array (the buffers are equally spaced)."""
+        key = (parity, count, dtype)
+        rows = self.rows.get(key)
+        if rows is None:
+            first = self._view(self._buf(0, parity), count, dtype)
+            stride = self._buf(1, parity) - self._buf(0, parity) if self.n > 1 else count * dtype.itemsize
+            rows = np.lib.stride_tricks.as_strided(first, (self.n, count), (stride, dtype.itemsize),
+                                                   writeable=False)
+            if len(self.rows) >= 256:
+                self.rows.clear()
+            self.rows[key] = rows
+        return rows
 
     def _view(self, addr: int, count: int, dtype) -> np.ndarray:
         off = addr - self.seg.addr
@@ -191,7 +238,7 @@ class GroupComm:
 
     def broadcast(self, buf, root: int, timeout: float) -> None:
         """Root streams through its buffers; the others copy out."""
-        what = f"broadcast(src={self.group.ranks[root]}, {buf.describe()})"
+        what = lambda: f"broadcast(src={self.group.ranks[root]}, {buf.describe()})"
         total, chunk = buf.nbytes, self.slot
         rounds = max(1, -(-total // chunk))
         for r in range(rounds):
@@ -206,6 +253,28 @@ class GroupComm:
             if self.me != root:
                 _core.copy(buf.addr + at, self._buf(root, b), size)
 
+    def quick_all_reduce(self, arr: np.ndarray, op: ReduceOp, timeout: float) -> bool:
+        """all_reduce of a small C-contiguous numpy array of a common dtype
+        and op, reduced in C: what all_reduce below does for it, with less
+        Python around. False, having done nothing, when it does not apply."""
+        plan = self.quick.get((arr.dtype, op), False)
+        if plan is False:
+            plan = self.quick[(arr.dtype, op)] = _quick_plan(arr.dtype, op)
+        if plan is None or arr.nbytes > self.small:
+            return False
+        try:
+            addr, nbytes = _core.buffer_address(arr, True)
+        except BufferError:
+            return False
+        kind, code, name = plan
+        with self.lock:
+            b = self.phase % 2
+            _core.copy(self.buffers[self.me][b], addr, nbytes)
+            self._first_pass(lambda: f"all_reduce({op.name}, {describe(nbytes, name, arr.shape)})",
+                             ("all_reduce", nbytes, int(op), -1, name, 0), timeout)
+            _core.reduce_rows(kind, code, addr, self.buffers[0][b], self.row_stride, self.n, arr.size)
+        return True
+
     def all_reduce(self, buf, arr: np.ndarray, op: ReduceOp, timeout: float, root: int = -1) -> None:
         """Every rank (or only ``root``, for reduce) ends with the reduction.
 
@@ -216,19 +285,18 @@ class GroupComm:
         consecutive chunks share a phase.
         """
         kind = "all_reduce" if root < 0 else "reduce"
-        what = f"{kind}({op.name}, {buf.describe()})" if root < 0 else \
-            f"reduce({op.name}, dst={self.group.ranks[root]}, {buf.describe()})"
+        what = (lambda: f"{kind}({op.name}, {buf.describe()})") if root < 0 else \
+            (lambda: f"reduce({op.name}, dst={self.group.ranks[root]}, {buf.describe()})")
         desc = (kind, buf.nbytes, int(op), root, buf.dtype, 0)
         n, me, dtype = self.n, self.me, arr.dtype
         isz = dtype.itemsize
         count = arr.size
-        if buf.nbytes <= min(SMALL_ALLREDUCE, self.slot):
+        if buf.nbytes <= self.small:
             b = self.phase % 2
             _core.copy(self._buf(me, b), buf.addr, buf.nbytes)
             self._first_pass(what, desc, timeout)
             if root < 0 or root == me:
-                inputs = [self._view(self._buf(j, b), count, dtype) for j in range(n)]
-                reduce_into(arr, inputs, op, buf.dtype, n)
+                reduce_rows(arr, self._rows(b, count, dtype), op, buf.dtype, n)
             return
         per_round = (self.slot // isz - 1) * n // (n + 1)   # + my reduced part fits the slot
         rounds = -(-count // per_round)
@@ -263,8 +331,8 @@ class GroupComm:
     def all_gather(self, outs: list, buf, root: int, timeout: float) -> None:
         """Each rank's input lands in every rank's ``outs`` (or only root's, for gather)."""
         kind = "all_gather" if root < 0 else "gather"
-        what = f"{kind}({buf.describe()})" if root < 0 else \
-            f"gather(dst={self.group.ranks[root]}, {buf.describe()})"
+        what = (lambda: f"{kind}({buf.describe()})") if root < 0 else \
+            (lambda: f"gather(dst={self.group.ranks[root]}, {buf.describe()})")
         total, chunk = buf.nbytes, self.slot
         rounds = max(1, -(-total // chunk))
         for r in range(rounds):
@@ -281,7 +349,7 @@ class GroupComm:
 
     def scatter(self, ins: list, buf, root: int, timeout: float) -> None:
         """Root's j-th input lands in rank j's ``buf``."""
-        what = f"scatter(src={self.group.ranks[root]}, {buf.describe()})"
+        what = lambda: f"scatter(src={self.group.ranks[root]}, {buf.describe()})"
         n = self.n
         total = buf.nbytes
         chunk = self.slot // n // 64 * 64
@@ -301,7 +369,7 @@ class GroupComm:
     def reduce_scatter(self, out_buf, out_arr: np.ndarray, ins: list, in_arrs: list, op: ReduceOp,
                        timeout: float) -> None:
         """Rank i ends with the reduction over ranks of everyone's i-th input."""
-        what = f"reduce_scatter({op.name}, {out_buf.describe()} per rank)"
+        what = lambda: f"reduce_scatter({op.name}, {out_buf.describe()} per rank)"
         n, me, dtype = self.n, self.me, out_arr.dtype
         isz = dtype.itemsize
         count = out_arr.size
@@ -326,7 +394,7 @@ class GroupComm:
 
     def all_to_all(self, outs: list, ins: list, piece: int, dtype: str, timeout: float) -> None:
         """Rank j's i-th input lands in rank i's j-th output (equal pieces)."""
-        what = f"all_to_all({piece} bytes per pair)"
+        what = lambda: f"all_to_all({piece} bytes per pair)"
         n, me = self.n, self.me
         chunk = self.slot // n // 64 * 64
         rounds = max(1, -(-piece // chunk))

@@ -106,3 +106,14 @@ def reduce_into(out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp, dtype: 
             ufunc(out, x, out=out)
     if op == ReduceOp.AVG:
         np.divide(out, count, out=out, casting="unsafe")
+
+
+def reduce_rows(out: np.ndarray, rows: np.ndarray, op: ReduceOp, dtype: str, count: int) -> None:
+    """out = the rows of ``rows`` (one per rank, shape (n, len(out))) combined
+    in rank order, in one ufunc call; as reduce_into otherwise."""
+    if dtype in _HALF:
+        reduce_into(out, list(rows), op, dtype, count)
+        return
+    _UFUNC[op].reduce(rows, axis=0, out=out)
+    if op == ReduceOp.AVG:
+        np.divide(out, count, out=out, casting="unsafe")

@@ -211,3 +211,89 @@ def test_bad_arguments_get_the_general_paths_errors(run_ranks):
     said = run_ranks(errors_still_named, 2)
     for per_rank in said:
         assert per_rank == ["DistError", "DistError", "TypeError", "DistError", "DistError", True]
+
+
+# ---------------------------------------------------------------- small all_reduce reduced in C
+
+def _contribution(rank: int, dtype: str, count: int) -> np.ndarray:
+    rng = np.random.default_rng([rank, count, 7])
+    if dtype.startswith("int"):
+        info = np.iinfo(dtype)       # near the top: SUM must wrap as numpy's does
+        return rng.integers(info.max - 1000, info.max, count, dtype=dtype)
+    return rng.standard_normal(count).astype(dtype)
+
+
+def quick_all_reduce_cases(rank, world_size, init_method, use_torch):
+    _init(rank, world_size, init_method)
+    bad = []
+    for dtype in ("float32", "float64", "int32", "int64"):
+        for op in ("SUM", "PRODUCT", "MIN", "MAX"):
+            for count in (1, 7, 1024):
+                mine = _contribution(rank, dtype, count)
+                if use_torch and rank == 1:      # the other rank goes the general way
+                    import torch
+                    t = torch.from_numpy(mine.copy())
+                    dist.all_reduce(t, getattr(dist.ReduceOp, op))
+                    got = t.numpy()
+                elif rank == 1:
+                    wide = np.zeros(2 * count, dtype=dtype)
+                    got = wide[::2]                # strided: the general way too
+                    got[:] = mine
+                    dist.all_reduce(got, getattr(dist.ReduceOp, op))
+                else:
+                    got = mine.copy()
+                    dist.all_reduce(got, getattr(dist.ReduceOp, op))
+                rows = np.stack([_contribution(r, dtype, count) for r in range(world_size)])
+                with np.errstate(over="ignore"):
+                    want = getattr(np, {"SUM": "add", "PRODUCT": "multiply", "MIN": "minimum",
+                                        "MAX": "maximum"}[op]).reduce(rows, axis=0, dtype=rows.dtype)
+                if got.tobytes() != want.tobytes():     # the same bits, in rank order
+                    bad.append((dtype, op, count))
+    if rank == 0 and not any(group_module._world.default.coll.quick.values()):
+        bad.append("rank 0 never took the C reduction")
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.parametrize("other", ["strided", "torch"])
+def test_small_all_reduce_in_c_gives_numpys_bits_whatever_the_other_rank_uses(run_ranks, other):
+    if other == "torch":
+        pytest.importorskip("torch")
+    assert run_ranks(quick_all_reduce_cases, 2, other == "torch", timeout=90) == [[], []]
+
+
+def quick_edge_cases(rank, world_size, init_method):
+    _init(rank, world_size, init_method)
+    out = {}
+    nan = np.array([1.0, np.nan if rank == 0 else 2.0], dtype=np.float32)
+    dist.all_reduce(nan, dist.ReduceOp.MAX)             # float MAX keeps numpy's NaN rule
+    out["nan"] = bool(np.isnan(nan[1])) and nan[0] == 1.0
+    try:
+        dist.all_reduce(np.ones(4, dtype=np.float32 if rank == 0 else np.float64))
+        out["mismatch"] = "no error"
+    except dist.DistMismatchError as e:
+        out["mismatch"] = "float32" in str(e) and "float64" in str(e)
+    again = np.full(3, rank + 1, dtype=np.int64)
+    dist.all_reduce(again)                              # the group still works
+    out["after"] = again.tolist()
+    scalar = np.array(rank + 1.5, dtype=np.float64)
+    dist.all_reduce(scalar)
+    out["0-d"] = float(scalar)
+    empty = np.zeros(0, dtype=np.int32)
+    dist.all_reduce(empty)
+    out["empty"] = empty.size
+    readonly = np.ones(2, dtype=np.float32)
+    readonly.setflags(write=False)
+    try:
+        dist.all_reduce(readonly)
+        out["readonly"] = "accepted"
+    except dist.DistError as e:
+        out["readonly"] = "read-only" in str(e)
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def test_small_all_reduce_edges_behave_as_the_general_path(run_ranks):
+    want = {"nan": True, "mismatch": True, "after": [3, 3, 3], "0-d": 4.0, "empty": 0, "readonly": True}
+    assert run_ranks(quick_edge_cases, 2) == [want, want]
