@@ -64,6 +64,7 @@ def _parts(count: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
+_BARRIER = _DESC.pack(0, KINDS.index("barrier"), 0, 0, -1, b"", 0)
 _QUICK_KINDS = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2,
                 np.dtype(np.int64): 3}
 _QUICK_OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MIN: 2, ReduceOp.MAX: 3}
@@ -149,7 +150,8 @@ class GroupComm:
         b = self.backoff
         how = _core.enter_phase(self.ctl[0], CTL_STRIDE, self.n, self.me, target, desc_at, desc,
                                 self.others, self.my_bell, b.spin, b.yields)
-        b.update(how or 1)   # not caught while spinning: spin less next time
+        if how != 2 or b.spin < b.most:
+            b.update(how or 1)   # not caught while spinning: spin less next time
         if how:
             return how
         self._sleep_until(target, what, timeout)
@@ -179,14 +181,15 @@ class GroupComm:
                     f"{waiting} of group {list(self.group.ranks)}; they have not called it. This "
                     "group can no longer run collectives: destroy it (or the job) and start again")
 
-    def _first_pass(self, what, desc: tuple, timeout: float) -> None:
-        """The first phase of a call: publish the descriptor, pass, compare."""
+    def _first_pass(self, what, desc: tuple | bytes, timeout: float) -> None:
+        """The first phase of a call: publish the descriptor (a tuple, or
+        already packed), pass, compare."""
         if self.broken:
             raise DistError(f"rank {self.rank}: {_said(what)}: group {list(self.group.ranks)} is unusable "
                             f"since {self.broken}; destroy it and create a new one")
         parity = self.calls % 2
         self.calls += 1
-        packed = self.packed.get(desc)
+        packed = desc if desc.__class__ is bytes else self.packed.get(desc)
         if packed is None:
             kind, nbytes, op, root, dtype, extra = desc
             root = self.group.ranks[root] if root >= 0 else -1
@@ -230,7 +233,7 @@ class GroupComm:
     # ------------------------------------------------------------ collectives
 
     def barrier(self, timeout: float) -> None:
-        self._first_pass("barrier", ("barrier", 0, 0, 0, "", 0), timeout)
+        self._first_pass("barrier", _BARRIER, timeout)
 
     def barrier_as(self, kind: str, dtype: str, timeout: float) -> None:
         """Only the call check, for a collective whose data moves elsewhere."""

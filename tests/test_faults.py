@@ -435,11 +435,11 @@ def dies_in_collective(rank, world_size, init_method, name, victim, at_phase, de
         real = collectives.GroupComm._pass
         passes = [0]
 
-        def counting_pass(self, what, timeout):
+        def counting_pass(self, what, timeout, *desc):
             passes[0] += 1
             if passes[0] == at_phase:
                 _die(deathfile)
-            return real(self, what, timeout)
+            return real(self, what, timeout, *desc)
         collectives.GroupComm._pass = counting_pass
         call()
         _die(deathfile)          # at_phase 0, or the call had fewer phases
@@ -532,11 +532,11 @@ RANK_SCRIPT = """
     t = np.ones((16 << 20) // 4, dtype=np.float32)
     if mode == "kill" and rank == 1:
         real, passes = collectives.GroupComm._pass, [0]
-        def counting_pass(self, what, timeout):
+        def counting_pass(self, what, timeout, *desc):
             passes[0] += 1
             if passes[0] == 4:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real(self, what, timeout)
+            return real(self, what, timeout, *desc)
         collectives.GroupComm._pass = counting_pass
     dist.all_reduce(t)
     open(os.path.join(out, f"inside{rank}"), "w").close()
