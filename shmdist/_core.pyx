@@ -357,46 +357,7 @@ cdef inline int _all_reached(const uint8_t *flags, size_t stride, int n, uint64_
     return 1
 
 
-def enter_phase(size_t flags, size_t stride, int n, int me, uint64_t target, size_t desc_at,
-                bytes desc, uint64_t[::1] others, size_t ctl, long spin, long yields):
-    """One phase of a collective in one call: write this member's call
-    descriptor (``desc`` at ``desc_at`` of its control slot, unless None),
-    publish ``target`` as its phase, wake the members in ``others`` that
-    sleep, then spin and yield until every member's phase reached it.
-
-    Returns 2 (reached while spinning) or 1 (while yielding), and -1 when
-    reached but the descriptors differ; 0 when not reached yet (the caller
-    then sleeps in wait_phase, and compares with all_same after it)."""
-    cdef uint8_t *mine = <uint8_t *>(flags + me * stride)
-    cdef const uint8_t *f = <const uint8_t *>flags
-    cdef Py_ssize_t i
-    cdef long k
-    cdef int done = 0
-    if desc is not None:
-        memcpy(mine + desc_at, PyBytes_AS_STRING(desc), len(desc))
-    sd_store64(<uint64_t *>mine, target)
-    sd_fence()
-    for i in range(others.shape[0]):
-        if sd_load32(_u32(<size_t>others[i] + _SLEEPING)):
-            sd_add32(_u32(<size_t>others[i] + _BELL), 1)
-            sd_futex_wake(_u32(<size_t>others[i] + _BELL), 0x7fffffff)
-    for k in range(spin):
-        if _all_reached(f, stride, n, target):
-            done = 2
-            break
-        sd_relax()
-    if not done:
-        with nogil:
-            for k in range(yields):
-                if _all_reached(f, stride, n, target):
-                    done = 1
-                    break
-                sd_yield()
-    if done and desc is not None:
-        for i in range(1, n):
-            if memcmp(f + desc_at, f + i * stride + desc_at, len(desc)):
-                return -1
-    return done
+cdef size_t[4] _ITEMSIZE = [4, 8, 4, 8]    # bytes of reduce_rows' kinds
 
 
 ctypedef fused _num:
@@ -436,6 +397,11 @@ cdef void _reduce_rows(_num *out, size_t first, size_t stride, int n, size_t cou
 def reduce_rows(int kind, int op, size_t out, size_t first, size_t stride, int n, size_t count):
     """The C reduction of small all_reduce (see _reduce_rows); ``kind`` 0
     float32, 1 float64, 2 int32, 3 int64."""
+    _reduce_kind(kind, op, out, first, stride, n, count)
+
+
+cdef void _reduce_kind(int kind, int op, size_t out, size_t first, size_t stride, int n,
+                       size_t count) noexcept:
     with nogil:
         if kind == 0:
             _reduce_rows[float](<float *>out, first, stride, n, count, op)
@@ -802,3 +768,168 @@ cdef class Lane:
         finally:
             self.release()
         return False
+
+
+# ---------------------------------------------------------------- waiting policy and collective phases
+
+cdef class Backoff:
+    """How long a waiter spins before it sleeps, adapted to what worked.
+
+    Spinning pays when the peer answers within microseconds (a futex wake
+    costs ~40 us when the other core idles); it steals the peer's core when
+    the host is busy. So: spin up to ``most`` pauses (~12 ns each here),
+    halve the spin each time it ended in a sleep (down to ``least``) and
+    double it each time it caught the event. With more local ranks than
+    cores, never spin: yield ``yields`` times, then sleep.
+    """
+    cdef public long spin, yields, most, least
+
+    def __init__(self, long most, long yields):
+        self.most = most
+        self.least = min(most, 256)    # ~3 us: never 0, or spinning could never prove itself again
+        self.spin = most
+        self.yields = yields
+
+    cpdef update(self, int how):
+        """``how``: 2 caught while spinning, 1 after that, 0 not at all."""
+        if how == 2:
+            self.spin = min(self.most, self.spin * 2 + 16)
+        elif how == 1:
+            self.spin = max(self.least, self.spin // 2)
+
+
+cdef class Phaser:
+    """The phases of one group's arena, as seen by one member: its counters
+    (``phase``: phases entered; ``calls``: collectives started), entering a
+    phase in one call, and the whole of a barrier or a small all_reduce when
+    the other members are already there.
+
+    Control slot of member i at ``flags + i * stride``: its phase (u64) at 0
+    and the descriptors of its last two calls at 64 and 128. Data buffers:
+    member i's buffer of parity b at ``bufs + (2 i + b) * slot``.
+    """
+    cdef public uint64_t phase, calls
+    cdef public object broken            # why the group is unusable, or None
+    cdef size_t flags, stride, bell, bufs, slot
+    cdef int n, me
+    cdef object others_ref
+    cdef const uint64_t *others
+    cdef Py_ssize_t nothers
+    cdef Backoff backoff
+    cdef object acquire, release
+    cdef bytes barrier_desc
+
+    def __cinit__(self, size_t flags, size_t stride, int n, int me, others, size_t bell,
+                  Backoff backoff, lock, bytes barrier_desc, size_t bufs, size_t slot):
+        cdef const uint64_t[::1] view = others
+        self.flags, self.stride, self.n, self.me, self.bell = flags, stride, n, me, bell
+        self.others_ref = others        # keeps the addresses alive
+        self.others = &view[0] if view.shape[0] else NULL
+        self.nothers = view.shape[0]
+        self.backoff = backoff
+        self.acquire, self.release = lock.acquire, lock.release
+        self.barrier_desc = barrier_desc
+        self.bufs, self.slot = bufs, slot
+        self.broken = None
+
+    @property
+    def desc_at(self):
+        """Offset in a control slot of the descriptor of the last call."""
+        return 64 + 64 * ((self.calls - 1) % 2)
+
+    cdef int _enter(self, bytes desc) except -2:
+        cdef uint8_t *mine = <uint8_t *>(self.flags + self.me * self.stride)
+        cdef const uint8_t *f = <const uint8_t *>self.flags
+        cdef size_t at = 0, nd = 0
+        cdef Py_ssize_t i
+        cdef long k, spin = self.backoff.spin, yields = self.backoff.yields
+        cdef int done = 0, n = self.n
+        cdef uint64_t target
+        if desc is not None:
+            at = 64 + 64 * (self.calls % 2)
+            nd = len(desc)
+            self.calls += 1
+            memcpy(mine + at, PyBytes_AS_STRING(desc), nd)
+        self.phase += 1
+        target = self.phase
+        sd_store64(<uint64_t *>mine, target)
+        sd_fence()
+        for i in range(self.nothers):
+            if sd_load32(_u32(<size_t>self.others[i] + _SLEEPING)):
+                sd_add32(_u32(<size_t>self.others[i] + _BELL), 1)
+                sd_futex_wake(_u32(<size_t>self.others[i] + _BELL), 0x7fffffff)
+        with nogil:
+            for k in range(spin):
+                if _all_reached(f, self.stride, n, target):
+                    done = 2
+                    break
+                sd_relax()
+            if not done:
+                for k in range(yields):
+                    if _all_reached(f, self.stride, n, target):
+                        done = 1
+                        break
+                    sd_yield()
+        if done != 2 or self.backoff.spin < self.backoff.most:
+            self.backoff.update(done or 1)    # not caught while spinning: spin less next time
+        if done and nd:
+            for i in range(1, n):
+                if memcmp(f + at, f + i * self.stride + at, nd):
+                    return -1
+        return done
+
+    def enter(self, bytes desc=None):
+        """Enter the next phase (publishing ``desc``, this call's descriptor,
+        first when given), spin and yield for the others. 2 or 1: every
+        member is there; -1: they are, but their descriptors differ; 0: not
+        yet (the caller sleeps, then compares)."""
+        return self._enter(desc)
+
+    cdef int _call(self, bytes desc, void *data, size_t nbytes, int kind, int op) except -4:
+        """One collective call of a single phase under the group's lock: the
+        data (if any) into this member's buffer, the phase, and once every
+        member is there the reduction of all buffers into ``data``. 2 or 1
+        when done; -2 when the group is broken (nothing done); 0 (not passed
+        yet) and -1 (the calls differ) leave the lock held."""
+        cdef int how
+        cdef size_t parity
+        self.acquire()
+        if self.broken is not None:
+            self.release()
+            return -2
+        try:
+            parity = self.phase % 2
+            if data != NULL:
+                memcpy(<void *>(self.bufs + (2 * self.me + parity) * self.slot), data, nbytes)
+            how = self._enter(desc)
+            if how > 0 and data != NULL:
+                _reduce_kind(kind, op, <size_t>data, self.bufs + parity * self.slot, 2 * self.slot,
+                             self.n, nbytes // _ITEMSIZE[kind])
+        except BaseException:
+            self.release()
+            raise
+        if how > 0:
+            self.release()
+        return how
+
+    def barrier(self):
+        """A whole barrier: 2 or 1 when passed; -2, 0 and -1 as for _call."""
+        return self._call(self.barrier_desc, NULL, 0, 0, 0)
+
+    def all_reduce(self, arr, int kind, int op, bytes desc, size_t most):
+        """A whole small all_reduce of a C-contiguous writable buffer, reduced
+        in C (see reduce_rows): 2 or 1 when done. -3: the buffer does not
+        qualify (or is over ``most`` bytes), nothing done; -2, 0 and -1 as
+        for _call, the data already in place: the caller finishes with
+        reduce_rows on buffers of parity (phase - 1) % 2."""
+        cdef Py_buffer view
+        try:
+            PyObject_GetBuffer(arr, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+        except (BufferError, ValueError):
+            return -3
+        try:
+            if <size_t>view.len > most:
+                return -3
+            return self._call(desc, view.buf, view.len, kind, op)
+        finally:
+            PyBuffer_Release(&view)

@@ -115,16 +115,33 @@ class GroupComm:
         host = world.host
         self.my_bell = host.my_ctl
         self.others = np.array([host.ctls[r] for r in group.ranks if r != world.rank], dtype=np.uint64)
-        self.phase = 0
-        self.calls = 0
         self.packed: dict[tuple, bytes] = {}   # descriptors already packed, by call
         self.rows: dict[tuple, np.ndarray] = {}  # _rows views, by (parity, count, dtype)
         self.quick: dict[tuple, tuple | None] = {}   # quick_all_reduce plans, by (dtype, op)
         self.small = min(SMALL_ALLREDUCE, self.slot)
-        self.row_stride = self.buffers[1][0] - self.buffers[0][0] if self.n > 1 else 0
-        self.broken: str | None = None
+        self.row_stride = 2 * self.slot
         self.lock = threading.Lock()
         self.backoff = world.engine.backoff
+        self.ph = _core.Phaser(self.ctl[0], CTL_STRIDE, self.n, self.me, self.others, self.my_bell,
+                               self.backoff, self.lock, _BARRIER, self.buffers[0][0], self.slot)
+
+    @property
+    def phase(self) -> int:
+        """Phases this member entered (the Phaser counts them)."""
+        return self.ph.phase
+
+    @property
+    def calls(self) -> int:
+        return self.ph.calls
+
+    @property
+    def broken(self) -> str | None:
+        """Why the group can no longer run collectives, or None."""
+        return self.ph.broken
+
+    @broken.setter
+    def broken(self, why: str | None) -> None:
+        self.ph.broken = why
 
     def arena_bytes(self) -> int:
         return self.seg.size
@@ -141,21 +158,20 @@ class GroupComm:
     def _buf(self, member: int, parity: int) -> int:
         return self.buffers[member][parity]
 
-    def _pass(self, what, timeout: float, desc: bytes | None = None, desc_at: int = 0) -> int:
+    def _pass(self, what, timeout: float, desc: bytes | None = None) -> int:
         """Arrive at the next phase and wait for every member. With ``desc``,
         first publish this call's descriptor; returns -1 when the members'
         descriptors then differ."""
-        self.phase += 1
-        target = self.phase
-        b = self.backoff
-        how = _core.enter_phase(self.ctl[0], CTL_STRIDE, self.n, self.me, target, desc_at, desc,
-                                self.others, self.my_bell, b.spin, b.yields)
-        if how != 2 or b.spin < b.most:
-            b.update(how or 1)   # not caught while spinning: spin less next time
+        how = self.ph.enter(desc)
         if how:
             return how
-        self._sleep_until(target, what, timeout)
-        if desc is not None and not _core.all_same(self.ctl[0] + desc_at, CTL_STRIDE, self.n, len(desc)):
+        return self._finish_pass(what, timeout, desc is not None)
+
+    def _finish_pass(self, what, timeout: float, compare: bool) -> int:
+        """Sleep until every member entered the phase this member entered last;
+        then, with ``compare``, -1 when their last descriptors differ."""
+        self._sleep_until(self.ph.phase, what, timeout)
+        if compare and not _core.all_same(self.ctl[0] + self.ph.desc_at, CTL_STRIDE, self.n, _DESC.size):
             return -1
         return 1
 
@@ -187,8 +203,6 @@ class GroupComm:
         if self.broken:
             raise DistError(f"rank {self.rank}: {_said(what)}: group {list(self.group.ranks)} is unusable "
                             f"since {self.broken}; destroy it and create a new one")
-        parity = self.calls % 2
-        self.calls += 1
         packed = desc if desc.__class__ is bytes else self.packed.get(desc)
         if packed is None:
             kind, nbytes, op, root, dtype, extra = desc
@@ -197,13 +211,18 @@ class GroupComm:
             if len(self.packed) >= 1024:
                 self.packed.clear()
             self.packed[desc] = packed
-        if self._pass(what, timeout, packed, 64 + 64 * parity) < 0:
-            descs = [self._read_desc(i, parity) for i in range(self.n)]
-            calls = "; ".join(f"rank {self.group.ranks[i]} called {_describe(d)}" for i, d in enumerate(descs))
-            raise DistMismatchError(
-                f"rank {self.rank}: {_said(what)}: the ranks of group {list(self.group.ranks)} disagree on "
-                f"collective #{self.calls}: {calls}. Every rank of a group must call the same "
-                "collectives in the same order, with the same sizes, dtypes, ops and roots")
+        if self._pass(what, timeout, packed) < 0:
+            self._mismatch(what)
+
+    def _mismatch(self, what) -> None:
+        """Raise the error for a call the members disagree on (the last one)."""
+        parity = (self.calls - 1) % 2
+        descs = [self._read_desc(i, parity) for i in range(self.n)]
+        calls = "; ".join(f"rank {self.group.ranks[i]} called {_describe(d)}" for i, d in enumerate(descs))
+        raise DistMismatchError(
+            f"rank {self.rank}: {_said(what)}: the ranks of group {list(self.group.ranks)} disagree on "
+            f"collective #{self.calls}: {calls}. Every rank of a group must call the same "
+            "collectives in the same order, with the same sizes, dtypes, ops and roots")
 
     def _desc_at(self, member: int, parity: int) -> int:
         return self.ctl[member] - self.seg.addr + 64 + 64 * parity
@@ -256,26 +275,50 @@ class GroupComm:
             if self.me != root:
                 _core.copy(buf.addr + at, self._buf(root, b), size)
 
+    def quick_barrier(self, timeout: float) -> bool:
+        """The whole barrier in one C call when the others are already there
+        (else it sleeps here). False, having done nothing, for a broken group."""
+        how = self.ph.barrier()
+        if how > 0:
+            return True
+        if how == -2:
+            return False
+        try:                              # the Phaser left the lock held
+            if how < 0 or self._finish_pass("barrier", timeout, True) < 0:
+                self._mismatch("barrier")
+        finally:
+            self.lock.release()
+        return True
+
     def quick_all_reduce(self, arr: np.ndarray, op: ReduceOp, timeout: float) -> bool:
         """all_reduce of a small C-contiguous numpy array of a common dtype
-        and op, reduced in C: what all_reduce below does for it, with less
-        Python around. False, having done nothing, when it does not apply."""
+        and op, reduced in C in one call when the others are already there:
+        what all_reduce below does for it, with less Python around. False,
+        having done nothing, when it does not apply."""
         plan = self.quick.get((arr.dtype, op), False)
         if plan is False:
             plan = self.quick[(arr.dtype, op)] = _quick_plan(arr.dtype, op)
-        if plan is None or arr.nbytes > self.small:
-            return False
-        try:
-            addr, nbytes = _core.buffer_address(arr, True)
-        except BufferError:
+        if plan is None:
             return False
         kind, code, name = plan
-        with self.lock:
-            b = self.phase % 2
-            _core.copy(self.buffers[self.me][b], addr, nbytes)
-            self._first_pass(lambda: f"all_reduce({op.name}, {describe(nbytes, name, arr.shape)})",
-                             ("all_reduce", nbytes, int(op), -1, name, 0), timeout)
-            _core.reduce_rows(kind, code, addr, self.buffers[0][b], self.row_stride, self.n, arr.size)
+        desc = self.packed.get((name, arr.nbytes, op))
+        if desc is None:
+            desc = self.packed[(name, arr.nbytes, op)] = \
+                _DESC.pack(0, KINDS.index("all_reduce"), arr.nbytes, int(op), -1, name.encode(), 0)
+        how = self.ph.all_reduce(arr, kind, code, desc, self.small)
+        if how > 0:
+            return True
+        if how <= -2:
+            return False
+        what = lambda: f"all_reduce({op.name}, {describe(arr.nbytes, name, arr.shape)})"
+        try:                              # the Phaser left the lock held
+            if how < 0 or self._finish_pass(what, timeout, True) < 0:
+                self._mismatch(what)
+            b = (self.phase - 1) % 2
+            _core.reduce_rows(kind, code, arr.ctypes.data, self.buffers[0][b], self.row_stride,
+                              self.n, arr.size)
+        finally:
+            self.lock.release()
         return True
 
     def all_reduce(self, buf, arr: np.ndarray, op: ReduceOp, timeout: float, root: int = -1) -> None:

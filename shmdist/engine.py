@@ -65,30 +65,13 @@ def make_header(tag: int, gid: int, src: int, buf) -> bytes:
     return header
 
 
-class Backoff:
-    """How long a waiter spins before it sleeps, adapted to what worked.
-
-    Spinning pays when the peer answers within microseconds (a futex wake
-    costs ~40 us when the other core idles); it steals the peer's core when
-    the host is busy. So: spin up to ~50 us (``SHMDIST_SPIN`` pauses, 12 ns
-    each here), halve the spin each time it ended in a sleep (down to ~3 us)
-    and double it each time it caught the event. With more local ranks than cores, never
-    spin: yield a few times, then sleep.
-    """
-    __slots__ = ("spin", "yields", "most", "least")
-
-    def __init__(self, oversubscribed: bool):
-        self.most = 0 if oversubscribed else int(os.environ.get("SHMDIST_SPIN", 4000))
-        self.least = min(self.most, 256)   # ~3 us: never 0, or spinning could never prove itself again
-        self.spin = self.most
-        self.yields = int(os.environ.get("SHMDIST_YIELDS", 4)) if oversubscribed else 0
-
-    def update(self, how: int) -> None:
-        """``how``: 2 caught while spinning, 1 after that, 0 not at all."""
-        if how == 2:
-            self.spin = min(self.most, self.spin * 2 + 16)
-        elif how == 1:
-            self.spin = max(self.least, self.spin // 2)
+def Backoff(oversubscribed: bool) -> _core.Backoff:
+    """The waiting policy of this process (see _core.Backoff): spin up to
+    SHMDIST_SPIN pauses (~50 us), or, with more local ranks than cores, no
+    spinning but SHMDIST_YIELDS sched_yields before sleeping."""
+    most = 0 if oversubscribed else int(os.environ.get("SHMDIST_SPIN", 4000))
+    yields = int(os.environ.get("SHMDIST_YIELDS", 4)) if oversubscribed else 0
+    return _core.Backoff(most, yields)
 
 
 class _Send:

@@ -199,8 +199,11 @@ class HierComm:
         if not home:
             self._local_broadcast(buf, self.local[0], what, timeout)
 
+    def quick_barrier(self, timeout: float) -> bool:
+        return False    # across hosts the general calls below do everything
+
     def quick_all_reduce(self, arr, op, timeout: float) -> bool:
-        return False    # across hosts the general all_reduce below does everything
+        return False
 
     def all_reduce(self, buf, arr: np.ndarray, op: ReduceOp, timeout: float, root: int = -1) -> None:
         """Reduce inside each node to its leader, all-reduce between the

@@ -484,6 +484,8 @@ MISMATCHES = {
                      ["root=1", "root=0"]),
     "all_gather vs barrier": (lambda: dist.all_gather([_f32(4) for _ in range(dist.get_world_size())], _f32(4)),
                               lambda: dist.barrier(), ["all_gather", "barrier"]),
+    "barrier vs small all_reduce": (lambda: dist.barrier(), lambda: dist.all_reduce(_f32(8)),
+                                    ["barrier", "all_reduce"]),
     "large broadcast vs scatter": (lambda: dist.broadcast(_f32(3 << 20), src=0),
                                    lambda: dist.scatter(_f32(8), None, src=0), ["broadcast", "scatter"]),
 }

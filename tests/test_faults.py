@@ -441,6 +441,10 @@ def dies_in_collective(rank, world_size, init_method, name, victim, at_phase, de
                 _die(deathfile)
             return real(self, what, timeout, *desc)
         collectives.GroupComm._pass = counting_pass
+        # The victim takes the general path, whose phases the hook counts; the
+        # survivors keep the one-call quick paths, whose waits end the same way.
+        collectives.GroupComm.quick_barrier = lambda self, timeout: False
+        collectives.GroupComm.quick_all_reduce = lambda self, arr, op, timeout: False
         call()
         _die(deathfile)          # at_phase 0, or the call had fewer phases
     result = _outcome(call)
