@@ -6,6 +6,7 @@ the lane cannot take (torch, non-contiguous, groups, any-source) still works.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -14,6 +15,10 @@ import pytest
 import shmdist as dist
 from shmdist import group as group_module
 from shmdist.errors import DistMismatchError, DistTimeoutError
+
+
+pytestmark = pytest.mark.skipif(os.environ.get("SHMDIST_TRANSPORT", "").lower() == "tcp",
+                                reason="the fast lane and the C reductions are shared-memory paths")
 
 
 def _init(rank, world_size, init_method):
