@@ -448,11 +448,6 @@ def wait_phase(size_t flags, size_t stride, int n, uint64_t target, size_t ctl,
     return done
 
 
-def put(size_t addr, bytes data):
-    """Copy ``data`` to ``addr`` (small control records)."""
-    memcpy(<void *>addr, PyBytes_AS_STRING(data), len(data))
-
-
 def all_same(size_t first, size_t stride, int n, size_t nbytes):
     """True when the ``n`` records of ``nbytes``, ``stride`` apart from
     ``first``, are byte for byte the same."""
