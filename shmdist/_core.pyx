@@ -8,6 +8,7 @@ memory alive for as long as an address is in use.
 """
 from libc.stdint cimport uint8_t, uint16_t, int32_t, uint32_t, uint64_t, int64_t
 from libc.string cimport memcmp, memcpy, memset
+from libc.stdlib cimport malloc, free
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_C_CONTIGUOUS
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from shmdist._core cimport (sd_load64, sd_store64, sd_load32, sd_store32, sd_add32,
@@ -392,6 +393,49 @@ cdef void _reduce_rows(_num *out, size_t first, size_t stride, int n, size_t cou
             for i in range(count):
                 if row[i] > out[i]:
                     out[i] = row[i]
+
+
+cdef void _reduce_parts(_num *out, const size_t *ins, int n, size_t count, int op) noexcept nogil:
+    """out = ins[0] op ins[1] op ... (n >= 2 inputs at any addresses, in that
+    order, as _reduce_rows); ``out`` must not overlap an input."""
+    cdef const _num *a = <const _num *>ins[0]
+    cdef const _num *b
+    cdef size_t i
+    cdef int j
+    for j in range(1, n):
+        b = <const _num *>ins[j]
+        if op == 0:
+            for i in range(count):
+                out[i] = a[i] + b[i]
+        elif op == 1:
+            for i in range(count):
+                out[i] = a[i] * b[i]
+        elif op == 2:
+            for i in range(count):
+                out[i] = b[i] if b[i] < a[i] else a[i]
+        else:
+            for i in range(count):
+                out[i] = b[i] if b[i] > a[i] else a[i]
+        a = out
+
+
+cdef inline size_t _part_start(size_t count, int n, int j) noexcept nogil:
+    """Where part j starts when ``count`` elements are split into n parts as
+    collectives._parts does (the first count % n parts one longer)."""
+    cdef size_t base = count // n, rem = count % n
+    return j * base + (j if <size_t>j < rem else rem)
+
+
+cdef void _reduce_parts_kind(int kind, int op, size_t out, const size_t *ins, int n,
+                             size_t count) noexcept nogil:
+    if kind == 0:
+        _reduce_parts[float](<float *>out, ins, n, count, op)
+    elif kind == 1:
+        _reduce_parts[double](<double *>out, ins, n, count, op)
+    elif kind == 2:
+        _reduce_parts[int32_t](<int32_t *>out, ins, n, count, op)
+    else:
+        _reduce_parts[int64_t](<int64_t *>out, ins, n, count, op)
 
 
 def reduce_rows(int kind, int op, size_t out, size_t first, size_t stride, int n, size_t count):
@@ -928,3 +972,73 @@ cdef class Phaser:
             return self._call(desc, view.buf, view.len, kind, op)
         finally:
             PyBuffer_Release(&view)
+
+    def all_reduce_rounds(self, size_t addr, size_t count, int kind, int op, size_t per_round,
+                          bint keep, size_t r, bint resume, bytes desc):
+        """Rounds ``r``.. of a large all_reduce (or reduce) of the ``count``
+        elements at ``addr``, in C: what GroupComm.all_reduce's loop does,
+        with the reduction of reduce_rows. Round r copies the others' parts
+        of chunk r into this member's buffer, passes a phase (the first one
+        with ``desc``), copies the reduced parts of chunk r-1 out (when
+        ``keep``: every rank of an all_reduce, the root of a reduce) and
+        reduces this member's part of chunk r into its other buffer (and,
+        when ``keep``, straight into the data). -1: done. -2: the first
+        phase passed and the descriptors differ. Otherwise the round whose
+        phase this member entered but the others have not: the caller waits
+        for them and calls again from that round with ``resume``."""
+        cdef size_t isz = _ITEMSIZE[kind]
+        cdef size_t rounds = (count + per_round - 1) // per_round
+        cdef int n = self.n, me = self.me, j, how
+        cdef size_t lo, plo, chunk, s, length, b, out
+        cdef size_t *ins = <size_t *>malloc(n * sizeof(size_t))
+        if ins == NULL:
+            raise MemoryError()
+        try:
+            while r <= rounds:
+                if not resume:
+                    b = self.phase % 2
+                    if r < rounds:
+                        lo = r * per_round
+                        chunk = min(per_round, count - lo)
+                        with nogil:
+                            for j in range(n):
+                                if j != me:
+                                    s = _part_start(chunk, n, j)
+                                    length = _part_start(chunk, n, j + 1) - s
+                                    memcpy(<void *>(self.bufs + (2 * me + b) * self.slot + s * isz),
+                                           <const void *>(addr + (lo + s) * isz), length * isz)
+                    how = self._enter(desc if r == 0 else None)
+                    if how == -1:
+                        return -2
+                    if how == 0:
+                        return r
+                resume = False
+                b = (self.phase - 1) % 2
+                with nogil:
+                    if r >= 1 and keep:                 # the reduced parts of chunk r-1
+                        plo = (r - 1) * per_round
+                        chunk = min(per_round, count - plo)
+                        for j in range(n):
+                            if j != me:
+                                s = _part_start(chunk, n, j)
+                                length = _part_start(chunk, n, j + 1) - s
+                                memcpy(<void *>(addr + (plo + s) * isz),
+                                       <const void *>(self.bufs + (2 * j + b) * self.slot + per_round * isz),
+                                       length * isz)
+                    if r < rounds:                      # my part of chunk r
+                        lo = r * per_round
+                        chunk = min(per_round, count - lo)
+                        s = _part_start(chunk, n, me)
+                        length = _part_start(chunk, n, me + 1) - s
+                        if length:
+                            for j in range(n):
+                                ins[j] = (addr + (lo + s) * isz if j == me else
+                                          self.bufs + (2 * j + b) * self.slot + s * isz)
+                            out = self.bufs + (2 * me + 1 - b) * self.slot + per_round * isz
+                            _reduce_parts_kind(kind, op, out, ins, n, length)
+                            if keep:
+                                memcpy(<void *>(addr + (lo + s) * isz), <const void *>out, length * isz)
+                r += 1
+            return -1
+        finally:
+            free(ins)

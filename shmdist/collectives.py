@@ -39,13 +39,19 @@ DEFAULT_SLOT_BYTES = 1 << 20          # per member and buffer; two buffers each
 SLOT_ENV = "SHMDIST_ARENA_BYTES"
 SMALL_ALLREDUCE = 64 << 10            # up to this, every rank reduces the whole vector itself
 LIVENESS_PERIOD = 0.2
+ROUND_BYTES = 512 << 10               # most elements' bytes per round of a large all_reduce in C
+ROUND_ENV = "SHMDIST_ROUND_BYTES"
 
 
 def slot_bytes() -> int:
-    raw = os.environ.get(SLOT_ENV)
-    value = int(raw, 0) if raw else DEFAULT_SLOT_BYTES
+    return _bytes_setting(SLOT_ENV, DEFAULT_SLOT_BYTES)
+
+
+def _bytes_setting(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    value = int(raw, 0) if raw else default
     if value < 4096 or value % 4096:
-        raise ValueError(f"{SLOT_ENV}={raw}: must be a multiple of 4096")
+        raise ValueError(f"{name}={raw}: must be a multiple of 4096")
     return value
 
 
@@ -90,6 +96,7 @@ def open_group(world, group) -> "GroupComm":
     """Create (lowest member) or attach the group's arena. Members only."""
     n = group.size()
     slot = slot_bytes()
+    rounds = _bytes_setting(ROUND_ENV, ROUND_BYTES)   # the creator's settings hold for every member
     ctl_at = segment.HEADER_BYTES
     data_at = _align(ctl_at + n * CTL_STRIDE)
     size = data_at + 2 * n * slot
@@ -97,17 +104,19 @@ def open_group(world, group) -> "GroupComm":
     key = f"arena/{group.gid}"
     creator = world.rank == group.ranks[0]
     seg = segment.share(world.store, key, n, creator, size if creator else 0, who, world.timeout,
-                        init=lambda s: struct.pack_into("<Q", s.mm, 64, slot))
+                        init=lambda s: struct.pack_into("<QQ", s.mm, 64, slot, rounds))
     return GroupComm(world, group, seg)
 
 
 class GroupComm:
+    c_rounds = True        # large all_reduce of common dtypes and ops in C (tests turn it off)
+
     def __init__(self, world, group, seg):
         self.world, self.group, self.seg = world, group, seg
         self.n = group.size()
         self.me = group.rank()
         self.rank = world.rank
-        (self.slot,) = struct.unpack_from("<Q", seg.mm, 64)
+        self.slot, self.round_bytes = struct.unpack_from("<QQ", seg.mm, 64)
         base = seg.addr
         self.ctl = [base + segment.HEADER_BYTES + i * CTL_STRIDE for i in range(self.n)]
         data_at = _align(segment.HEADER_BYTES + self.n * CTL_STRIDE)
@@ -200,6 +209,11 @@ class GroupComm:
     def _first_pass(self, what, desc: tuple | bytes, timeout: float) -> None:
         """The first phase of a call: publish the descriptor (a tuple, or
         already packed), pass, compare."""
+        if self._pass(what, timeout, self._packed(what, desc)) < 0:
+            self._mismatch(what)
+
+    def _packed(self, what, desc: tuple | bytes) -> bytes:
+        """The call's descriptor as its members compare it; refuses a broken group."""
         if self.broken:
             raise DistError(f"rank {self.rank}: {_said(what)}: group {list(self.group.ranks)} is unusable "
                             f"since {self.broken}; destroy it and create a new one")
@@ -211,8 +225,7 @@ class GroupComm:
             if len(self.packed) >= 1024:
                 self.packed.clear()
             self.packed[desc] = packed
-        if self._pass(what, timeout, packed) < 0:
-            self._mismatch(what)
+        return packed
 
     def _mismatch(self, what) -> None:
         """Raise the error for a call the members disagree on (the last one)."""
@@ -328,7 +341,8 @@ class GroupComm:
         Large: rank i reduces the i-th part of each chunk into its buffer of
         the next round (reduce-scatter), and everyone copies the reduced
         parts out one round later (all-gather), so the two stages of
-        consecutive chunks share a phase.
+        consecutive chunks share a phase. For the dtypes and ops of
+        _quick_plan the rounds run in C, in the same chunks.
         """
         kind = "all_reduce" if root < 0 else "reduce"
         what = (lambda: f"{kind}({op.name}, {buf.describe()})") if root < 0 else \
@@ -344,7 +358,14 @@ class GroupComm:
             if root < 0 or root == me:
                 reduce_rows(arr, self._rows(b, count, dtype), op, buf.dtype, n)
             return
-        per_round = (self.slot // isz - 1) * n // (n + 1)   # + my reduced part fits the slot
+        # a round's parts, plus my reduced part, fit the slot; C and Python rounds split alike
+        per_round = min((self.slot // isz - 1) * n // (n + 1), self.round_bytes // isz)
+        plan = self.quick.get((dtype, op), False) if self.c_rounds else None
+        if plan is False:
+            plan = self.quick[(dtype, op)] = _quick_plan(dtype, op)
+        if plan is not None:
+            self._all_reduce_rounds(arr, plan, per_round, root, what, desc, timeout)
+            return
         rounds = -(-count // per_round)
         parts = None
         for r in range(rounds + 1):
@@ -373,6 +394,24 @@ class GroupComm:
                     out = self._view(self._buf(me, 1 - b) + per_round * isz, length, dtype)
                     reduce_into(out, inputs, op, buf.dtype, n)
                 prev_parts = parts
+
+    def _all_reduce_rounds(self, arr: np.ndarray, plan: tuple, per_round: int, root: int, what,
+                           desc: tuple, timeout: float) -> None:
+        """The rounds of all_reduce's large case in C (Phaser.all_reduce_rounds),
+        back here only to sleep until late members arrive."""
+        packed = self._packed(what, desc)
+        kind, code, _ = plan
+        keep = root < 0 or root == self.me
+        addr = arr.ctypes.data
+        r, resume = 0, False
+        while True:
+            r = self.ph.all_reduce_rounds(addr, arr.size, kind, code, per_round, keep, r,
+                                          resume, packed)
+            if r == -1:
+                return
+            if r == -2 or self._finish_pass(what, timeout, r == 0) < 0:
+                self._mismatch(what)
+            resume = True
 
     def all_gather(self, outs: list, buf, root: int, timeout: float) -> None:
         """Each rank's input lands in every rank's ``outs`` (or only root's, for gather)."""

@@ -302,3 +302,72 @@ def quick_edge_cases(rank, world_size, init_method):
 def test_small_all_reduce_edges_behave_as_the_general_path(run_ranks):
     want = {"nan": True, "mismatch": True, "after": [3, 3, 3], "0-d": 4.0, "empty": 0, "readonly": True}
     assert run_ranks(quick_edge_cases, 2) == [want, want]
+
+
+_NUMPY_OP = {"SUM": "add", "PRODUCT": "multiply", "MIN": "minimum", "MAX": "maximum"}
+
+
+def _want(dtype, op, count, world_size):
+    rows = np.stack([_contribution(r, dtype, count) for r in range(world_size)])
+    with np.errstate(over="ignore"):
+        return getattr(np, _NUMPY_OP[op]).reduce(rows, axis=0, dtype=rows.dtype)
+
+
+def large_all_reduce_cases(rank, world_size, init_method, small_rounds):
+    """Large all_reduce and reduce, rounds in C, against numpy's bits. In
+    every other case one rank runs its rounds in Python: the two must split
+    the vector alike to give the same result."""
+    from shmdist import collectives
+    if small_rounds:                  # many rounds, the last one short, on tiny buffers
+        os.environ["SHMDIST_ARENA_BYTES"] = "16384"
+        os.environ["SHMDIST_ROUND_BYTES"] = "8192"
+    else:
+        os.environ["SHMDIST_ROUND_BYTES"] = str(1 << 30)   # this rank's value: the creator's wins
+    if rank == 0:
+        os.environ.pop("SHMDIST_ROUND_BYTES", None)
+    calls = [0]
+    real = collectives.GroupComm._all_reduce_rounds
+
+    def counting(self, *args):
+        calls[0] += 1
+        return real(self, *args)
+    collectives.GroupComm._all_reduce_rounds = counting
+    _init(rank, world_size, init_method)
+    comm = group_module._world.default.coll
+    bad, case = [], 0
+    counts = (30011, 70001) if small_rounds else ((3 << 20) // 8 + 13,)
+    for dtype in ("float32", "float64", "int32", "int64"):
+        for op in ("SUM", "PRODUCT", "MIN", "MAX"):
+            for count in counts:
+                for root in (-1, world_size - 1):
+                    case += 1
+                    comm.c_rounds = case % world_size != rank
+                    got = _contribution(rank, dtype, count)
+                    reduce_op = getattr(dist.ReduceOp, op)
+                    if root < 0:
+                        dist.all_reduce(got, reduce_op)
+                    else:
+                        dist.reduce(got, root, reduce_op)
+                    if root in (-1, rank) and got.tobytes() != _want(dtype, op, count, world_size).tobytes():
+                        bad.append((dtype, op, count, root))
+    comm.c_rounds = True
+    if calls[0] == 0:
+        bad.append("the C rounds never ran")
+    try:
+        dist.all_reduce(np.ones(70001 + (rank == 0), dtype=np.float32))
+        bad.append("no mismatch error")
+    except DistMismatchError as e:
+        if "280004 bytes" not in str(e) or "280008 bytes" not in str(e):
+            bad.append(str(e))
+    again = np.ones(70001, dtype=np.int64)
+    dist.all_reduce(again)                            # the group still works
+    if (again != world_size).any():
+        bad.append("group unusable after the mismatch")
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.parametrize("world_size, small_rounds", [(2, False), (3, True)])
+def test_large_all_reduce_in_c_gives_numpys_bits_and_splits_as_python_does(run_ranks, world_size,
+                                                                           small_rounds):
+    assert run_ranks(large_all_reduce_cases, world_size, small_rounds, timeout=120) == [[]] * world_size

@@ -445,6 +445,7 @@ def dies_in_collective(rank, world_size, init_method, name, victim, at_phase, de
         # survivors keep the one-call quick paths, whose waits end the same way.
         collectives.GroupComm.quick_barrier = lambda self, timeout: False
         collectives.GroupComm.quick_all_reduce = lambda self, arr, op, timeout: False
+        collectives.GroupComm.c_rounds = False
         call()
         _die(deathfile)          # at_phase 0, or the call had fewer phases
     result = _outcome(call)
@@ -542,6 +543,7 @@ RANK_SCRIPT = """
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(self, what, timeout, *desc)
         collectives.GroupComm._pass = counting_pass
+        collectives.GroupComm.c_rounds = False     # rounds in Python, where the hook counts them
     dist.all_reduce(t)
     open(os.path.join(out, f"inside{rank}"), "w").close()
     while True:                  # "loop": collectives until the launcher is signalled
