@@ -506,6 +506,32 @@ def load_u64(size_t addr):
     return sd_load64(<const uint64_t *>addr)
 
 
+cdef class Backoff:
+    """How long a waiter spins before it sleeps, adapted to what worked.
+
+    Spinning pays when the peer answers within microseconds (a futex wake
+    costs ~40 us when the other core idles); it steals the peer's core when
+    the host is busy. So: spin up to ``most`` pauses (~12 ns each here),
+    halve the spin each time it ended in a sleep (down to ``least``) and
+    double it each time it caught the event. With more local ranks than
+    cores, never spin: yield ``yields`` times, then sleep.
+    """
+    cdef public long spin, yields, most, least
+
+    def __init__(self, long most, long yields):
+        self.most = most
+        self.least = min(most, 256)    # ~3 us: never 0, or spinning could never prove itself again
+        self.spin = most
+        self.yields = yields
+
+    cpdef update(self, int how):
+        """``how``: 2 caught while spinning, 1 after that, 0 not at all."""
+        if how == 2:
+            self.spin = min(self.most, self.spin * 2 + 16)
+        elif how == 1:
+            self.spin = max(self.least, self.spin // 2)
+
+
 # ---------------------------------------------------------------- requests
 
 cdef class DistributedRequest:
@@ -521,6 +547,7 @@ cdef class DistributedRequest:
     cdef public object _then
     cdef public object tensors
     cdef public object _peers
+    cdef public object _lane      # the Lane while this is its pending fast receive
 
     def __init__(self, engine, op, tensors=None):
         self._engine = engine
@@ -530,7 +557,11 @@ cdef class DistributedRequest:
 
     def wait(self, timeout=None):
         if not self._done:
-            self._engine.wait_for(self, timeout)
+            if self._lane is not None:      # first a spin on the ring it waits for, from here
+                lane, self._lane = self._lane, None
+                lane.wait_pending(self, -1)
+            if not self._done:
+                self._engine.wait_for(self, timeout)
         if self._error is not None:
             raise self._error
         return True
@@ -604,9 +635,11 @@ cdef class Lane:
     cdef bytes p_dtype16
     cdef int64_t a_tag
     cdef bytes a_dtype16
+    cdef Backoff backoff
 
     def __cinit__(self, engine, int rank, int size, dict outs, dict ins):
         self.engine = engine
+        self.backoff = engine.backoff
         self.rank = rank
         self.outs = [outs.get(r) if isinstance(outs.get(r), Ring) else None for r in range(size)]
         self.ins = [ins.get(r) if isinstance(ins.get(r), Ring) else None for r in range(size)]
@@ -762,6 +795,7 @@ cdef class Lane:
                 req._done = True
                 return req
             self.pending = req
+            req._lane = self
             self.p_ring, self.p_arr, self.p_src, self.p_tag = ring, arr, src, t
             self.p_addr, self.p_nbytes, self.p_dtype16 = addr, nbytes, dtype16
         finally:
@@ -777,15 +811,18 @@ cdef class Lane:
             self.p_arr = None
 
     def wait_pending(self, DistributedRequest req, long spin):
-        """Spin up to ``spin`` pauses for ``req``, the pending fast receive,
-        on its ring alone while nothing else is pending. True when it
-        completed; else it is posted to the engine, which waits for it."""
+        """Spin up to ``spin`` pauses (-1: as the engine's backoff says) for
+        ``req``, the pending fast receive, on its ring alone while nothing
+        else is pending. True when it completed; else it is posted to the
+        engine, which waits for it."""
         cdef Ring ring = self.p_ring
         cdef uint64_t total = _HDR + ((self.p_nbytes + 63) & ~(<uint64_t>63))
         cdef uint64_t t
         cdef long i
         if req is not self.pending:
             return False
+        if spin < 0:
+            spin = self.backoff.spin
         if not self.sendq:
             t = sd_load64(ring.tail)
             with nogil:
@@ -810,32 +847,6 @@ cdef class Lane:
 
 
 # ---------------------------------------------------------------- waiting policy and collective phases
-
-cdef class Backoff:
-    """How long a waiter spins before it sleeps, adapted to what worked.
-
-    Spinning pays when the peer answers within microseconds (a futex wake
-    costs ~40 us when the other core idles); it steals the peer's core when
-    the host is busy. So: spin up to ``most`` pauses (~12 ns each here),
-    halve the spin each time it ended in a sleep (down to ``least``) and
-    double it each time it caught the event. With more local ranks than
-    cores, never spin: yield ``yields`` times, then sleep.
-    """
-    cdef public long spin, yields, most, least
-
-    def __init__(self, long most, long yields):
-        self.most = most
-        self.least = min(most, 256)    # ~3 us: never 0, or spinning could never prove itself again
-        self.spin = most
-        self.yields = yields
-
-    cpdef update(self, int how):
-        """``how``: 2 caught while spinning, 1 after that, 0 not at all."""
-        if how == 2:
-            self.spin = min(self.most, self.spin * 2 + 16)
-        elif how == 1:
-            self.spin = max(self.least, self.spin // 2)
-
 
 cdef class Phaser:
     """The phases of one group's arena, as seen by one member: its counters
