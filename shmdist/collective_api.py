@@ -111,8 +111,10 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     w, g, comm = _enter("all_reduce", group)
     if comm is None:
         return None
-    if tensor.__class__ is np.ndarray and op.__class__ is ReduceOp and comm.quick_all_reduce(tensor, op, g.timeout):
-        return completed("all_reduce", [tensor]) if async_op else None
+    if op.__class__ is ReduceOp:
+        arr = _g.fast_array(tensor)
+        if arr is not None and comm.quick_all_reduce(arr, op, g.timeout):
+            return completed("all_reduce", [tensor]) if async_op else None
     who = f"rank {w.rank}: all_reduce"
     op = as_op(op, who)
     buf = as_buf(tensor, writable=True, who=who)

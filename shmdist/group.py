@@ -11,6 +11,7 @@ import errno
 import hashlib
 import json
 import os
+import sys
 import threading
 
 import numpy as np
@@ -20,7 +21,7 @@ from shmdist.engine import Engine, dtype_field
 from shmdist.errors import DistError, DistMismatchError, DistNotInitializedError
 from shmdist.request import DistributedRequest
 from shmdist.shm import ShmHost
-from shmdist.tensors import as_buf
+from shmdist.tensors import as_buf, is_torch_tensor
 
 DEFAULT_TIMEOUT = 1800.0   # seconds, torch's default for CPU backends
 FAILED_INIT_LINGER = 3.0   # seconds the master keeps the store up after a failed init
@@ -371,19 +372,45 @@ def _tag(w, tag, op) -> int:
     return tag
 
 
-def _learn(w: World, tensor, buf) -> None:
-    """Teach the fast lane a numpy dtype the general path accepted."""
+_Tensor = None   # torch.Tensor, once one went the general way: its plain CPU tensors then take
+                 # the fast paths as numpy views
+
+
+def fast_array(tensor) -> np.ndarray | None:
+    """``tensor`` itself when it is a numpy array, a numpy view of a plain
+    torch CPU tensor (no autograd, no conjugate or negative bit, a dtype
+    numpy has), else None: what the fast paths may take."""
     if tensor.__class__ is np.ndarray:
-        w.engine.lane.dtypes[tensor.dtype] = dtype_field(buf.dtype)
+        return tensor
+    if tensor.__class__ is not _Tensor or tensor.requires_grad:
+        return None
+    try:
+        return tensor.numpy()
+    except (RuntimeError, TypeError, ValueError):   # another device or layout, conj, bfloat16...
+        return None
+
+
+def _learn(w: World, tensor, buf) -> None:
+    """Teach the fast lane a dtype the general path accepted, by its numpy dtype."""
+    global _Tensor
+    if tensor.__class__ is not np.ndarray:
+        if _Tensor is None and is_torch_tensor(tensor):
+            _Tensor = sys.modules["torch"].Tensor
+        tensor = fast_array(tensor)
+        if tensor is None or tensor.dtype.name != buf.dtype:
+            return
+    w.engine.lane.dtypes[tensor.dtype] = dtype_field(buf.dtype)
 
 
 def send(tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> DistributedRequest:
     """Send ``tensor`` to global rank ``dst``. Returns at once; ``wait()``
     returns when the bytes are handed over (the tensor may be reused then)."""
-    if _lane is not None and group is None and tensor.__class__ is np.ndarray:
-        req = _lane.send(tensor, dst, tag)
-        if req is not None:
-            return req
+    if _lane is not None and group is None:
+        arr = fast_array(tensor)
+        if arr is not None:
+            req = _lane.send(arr, dst, tag)
+            if req is not None:
+                return req
     w, g = _group(group, "send")
     _member(w, g, "send")
     dst = _peer(w, g, dst, "send", "dst")
@@ -398,10 +425,14 @@ def recv(tensor, src: int | None = None, group: ProcessGroup | None = None,
          tag: int = 0) -> DistributedRequest:
     """Receive into ``tensor`` from global rank ``src`` (any rank when None).
     The request's ``source`` tells the sender once complete."""
-    if _lane is not None and group is None and tensor.__class__ is np.ndarray and src is not None:
-        req = _lane.recv(tensor, src, tag)
-        if req is not None:
-            return req
+    if _lane is not None and group is None and src is not None:
+        arr = fast_array(tensor)
+        if arr is not None:
+            req = _lane.recv(arr, src, tag)
+            if req is not None:
+                if arr is not tensor:
+                    req.tensors = [tensor]
+                return req
     w, g = _group(group, "recv")
     _member(w, g, "recv")
     if src is not None:

@@ -235,7 +235,7 @@ def quick_all_reduce_cases(rank, world_size, init_method, use_torch):
         for op in ("SUM", "PRODUCT", "MIN", "MAX"):
             for count in (1, 7, 1024):
                 mine = _contribution(rank, dtype, count)
-                if use_torch and rank == 1:      # the other rank goes the general way
+                if use_torch and rank == 1:      # the other rank passes a torch tensor
                     import torch
                     t = torch.from_numpy(mine.copy())
                     dist.all_reduce(t, getattr(dist.ReduceOp, op))
@@ -371,3 +371,53 @@ def large_all_reduce_cases(rank, world_size, init_method, small_rounds):
 def test_large_all_reduce_in_c_gives_numpys_bits_and_splits_as_python_does(run_ranks, world_size,
                                                                            small_rounds):
     assert run_ranks(large_all_reduce_cases, world_size, small_rounds, timeout=120) == [[]] * world_size
+
+
+def torch_tensors_take_the_lane(rank, world_size, init_method):
+    """Plain CPU torch tensors go through the lane as numpy views of their
+    memory; tensors with autograd or a conjugate bit go the general way."""
+    import torch
+    _init(rank, world_size, init_method)
+    names = ("float32", "int64", "bool", "complex64", "float16", "uint8")
+    wrong = []
+    before = None
+    for rep in range(2):          # the first pass teaches the lane each dtype, the second uses it
+        if rep == 1:
+            before = _lane_counts()
+        for name in names:
+            want = torch.from_numpy(np.arange(6).reshape(2, 3).astype(name))
+            if rank == 0:
+                dist.send(want, 1).wait()
+            else:
+                box = torch.zeros(2, 3, dtype=want.dtype)
+                dist.recv(box, 0).wait()
+                if not torch.equal(box, want):
+                    wrong.append((rep, name))
+    moved = [after - b for after, b in zip(_lane_counts(), before)]
+    if moved[rank] < len(names):       # rank 0 counts sends, rank 1 receives
+        wrong.append(f"the lane took {moved} of {len(names)} operations")
+    go = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        dist.recv(go, 1).wait()
+        dist.send(torch.full((4,), 7.0), 1).wait()
+        dist.send(torch.ones(3, requires_grad=True), 1).wait()
+    else:
+        box = torch.zeros(4)
+        req = dist.irecv(box, 0)                  # pending: nothing sent yet
+        if group_module._lane.pending is not req:
+            wrong.append("the torch receive did not wait in the lane")
+        dist.send(go, 0).wait()
+        req.wait()
+        if req.result()[0] is not box or box.tolist() != [7.0] * 4:
+            wrong.append(("pending", box.tolist()))
+        grad = torch.zeros(3, requires_grad=True)
+        dist.recv(grad, 0).wait()
+        if grad.tolist() != [1.0] * 3:
+            wrong.append(("requires_grad", grad.tolist()))
+    dist.destroy_process_group()
+    return wrong
+
+
+def test_plain_torch_tensors_take_the_fast_lane(run_ranks):
+    pytest.importorskip("torch")
+    assert run_ranks(torch_tensors_take_the_lane, 2) == [[], []]

@@ -130,6 +130,45 @@ def test_non_contiguous_send_and_receive(run_ranks, kind):
     assert run_ranks(non_contiguous, 2, kind)[1] == (True, True)
 
 
+def lazy_views(rank, world_size, init_method):
+    """torch's conjugate and negative views keep the other values in memory:
+    what moves must be the values the view shows, both ways, also for
+    in-place collectives."""
+    import torch
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    x = torch.tensor([1.0, -2.0])
+    got = {}
+    if rank == 0:
+        dist.send(z.conj(), 1).wait()
+        dist.send(x._neg_view(), 1).wait()
+        dist.send(z, 1).wait()
+    else:
+        box = torch.zeros(2, dtype=torch.complex64)
+        dist.recv(box, 0).wait()
+        got["conj sent"] = box.tolist()
+        box = torch.zeros(2)
+        dist.recv(box, 0).wait()
+        got["neg sent"] = box.tolist()
+        view = torch.zeros(2, dtype=torch.complex64).conj()
+        dist.recv(view, 0).wait()
+        got["into conj"] = view.tolist()
+    summed = torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex64).conj()
+    dist.all_reduce(summed)
+    got["all_reduce conj"] = summed.tolist()
+    dist.destroy_process_group()
+    return got
+
+
+def test_conjugate_and_negative_views_move_their_values(run_ranks):
+    pytest.importorskip("torch")
+    got = run_ranks(lazy_views, 2)
+    both = [2 - 2j, 4 + 2j]
+    assert got == [{"all_reduce conj": both},
+                   {"conj sent": [1 - 2j, 3 + 4j], "neg sent": [-1.0, 2.0], "into conj": [1 + 2j, 3 - 4j],
+                    "all_reduce conj": both}]
+
+
 def _read_only() -> np.ndarray:
     a = np.zeros(2)
     a.flags.writeable = False
