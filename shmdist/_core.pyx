@@ -597,6 +597,7 @@ cdef class DistributedRequest:
 
 cdef extern from "Python.h":
     int PyLong_Check(object o)
+    long PyLong_AsLong(object o) except? -1
     long long PyLong_AsLongLongAndOverflow(object o, int *overflow) except? -1
 
 cdef uint32_t _MAGIC = 0x444D4853   # "SHMD", engine.MAGIC; version 1 follows it
@@ -868,9 +869,12 @@ cdef class Phaser:
     cdef Backoff backoff
     cdef object acquire, release
     cdef bytes barrier_desc
+    cdef dict kinds                      # numpy dtype -> (reduce_rows kind, its name) for all_reduce
+    cdef uint64_t all_reduce_index
 
     def __cinit__(self, size_t flags, size_t stride, int n, int me, others, size_t bell,
-                  Backoff backoff, lock, bytes barrier_desc, size_t bufs, size_t slot):
+                  Backoff backoff, lock, bytes barrier_desc, size_t bufs, size_t slot,
+                  dict kinds, uint64_t all_reduce_index):
         cdef const uint64_t[::1] view = others
         self.flags, self.stride, self.n, self.me, self.bell = flags, stride, n, me, bell
         self.others_ref = others        # keeps the addresses alive
@@ -880,6 +884,7 @@ cdef class Phaser:
         self.acquire, self.release = lock.acquire, lock.release
         self.barrier_desc = barrier_desc
         self.bufs, self.slot = bufs, slot
+        self.kinds, self.all_reduce_index = kinds, all_reduce_index
         self.broken = None
 
     @property
@@ -887,19 +892,18 @@ cdef class Phaser:
         """Offset in a control slot of the descriptor of the last call."""
         return 64 + 64 * ((self.calls - 1) % 2)
 
-    cdef int _enter(self, bytes desc) except -2:
+    cdef int _enter(self, const char *desc, size_t nd) except -2:
         cdef uint8_t *mine = <uint8_t *>(self.flags + self.me * self.stride)
         cdef const uint8_t *f = <const uint8_t *>self.flags
-        cdef size_t at = 0, nd = 0
+        cdef size_t at = 0
         cdef Py_ssize_t i
         cdef long k, spin = self.backoff.spin, yields = self.backoff.yields
         cdef int done = 0, n = self.n
         cdef uint64_t target
-        if desc is not None:
+        if desc != NULL:
             at = 64 + 64 * (self.calls % 2)
-            nd = len(desc)
             self.calls += 1
-            memcpy(mine + at, PyBytes_AS_STRING(desc), nd)
+            memcpy(mine + at, desc, nd)
         self.phase += 1
         target = self.phase
         sd_store64(<uint64_t *>mine, target)
@@ -933,9 +937,12 @@ cdef class Phaser:
         first when given), spin and yield for the others. 2 or 1: every
         member is there; -1: they are, but their descriptors differ; 0: not
         yet (the caller sleeps, then compares)."""
-        return self._enter(desc)
+        if desc is None:
+            return self._enter(NULL, 0)
+        return self._enter(PyBytes_AS_STRING(desc), len(desc))
 
-    cdef int _call(self, bytes desc, void *data, size_t nbytes, int kind, int op) except -4:
+    cdef int _call(self, const char *desc, size_t nd, void *data, size_t nbytes, int kind,
+                   int op) except -4:
         """One collective call of a single phase under the group's lock: the
         data (if any) into this member's buffer, the phase, and once every
         member is there the reduction of all buffers into ``data``. 2 or 1
@@ -951,7 +958,7 @@ cdef class Phaser:
             parity = self.phase % 2
             if data != NULL:
                 memcpy(<void *>(self.bufs + (2 * self.me + parity) * self.slot), data, nbytes)
-            how = self._enter(desc)
+            how = self._enter(desc, nd)
             if how > 0 and data != NULL:
                 _reduce_kind(kind, op, <size_t>data, self.bufs + parity * self.slot, 2 * self.slot,
                              self.n, nbytes // _ITEMSIZE[kind])
@@ -964,15 +971,28 @@ cdef class Phaser:
 
     def barrier(self):
         """A whole barrier: 2 or 1 when passed; -2, 0 and -1 as for _call."""
-        return self._call(self.barrier_desc, NULL, 0, 0, 0)
+        return self._call(PyBytes_AS_STRING(self.barrier_desc), len(self.barrier_desc), NULL, 0, 0, 0)
 
-    def all_reduce(self, arr, int kind, int op, bytes desc, size_t most):
-        """A whole small all_reduce of a C-contiguous writable buffer, reduced
-        in C (see reduce_rows): 2 or 1 when done. -3: the buffer does not
-        qualify (or is over ``most`` bytes), nothing done; -2, 0 and -1 as
-        for _call, the data already in place: the caller finishes with
-        reduce_rows on buffers of parity (phase - 1) % 2."""
+    def all_reduce(self, arr, op, size_t most):
+        """A whole small all_reduce of a C-contiguous writable numpy array of
+        a dtype in ``kinds`` with ReduceOp ``op`` (0 SUM, 1 PRODUCT; 2 MIN and
+        3 MAX for integers), reduced in C (see reduce_rows): 2 or 1 when
+        done. -3: it does not qualify (or is over ``most`` bytes), nothing
+        done; -2, 0 and -1 as for _call, the data already in place: the
+        caller finishes with reduce_rows on buffers of parity (phase - 1) % 2.
+        The descriptor is the one collectives._DESC packs for it."""
         cdef Py_buffer view
+        cdef long code
+        cdef int kind
+        cdef uint64_t desc[8]
+        cdef bytes name
+        plan = self.kinds.get(arr.dtype)
+        if plan is None or not PyLong_Check(op):
+            return -3
+        kind, name = plan
+        code = PyLong_AsLong(op)
+        if code < 0 or code > 3 or (code >= 2 and kind <= 1):
+            return -3
         try:
             PyObject_GetBuffer(arr, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
         except (BufferError, ValueError):
@@ -980,7 +1000,13 @@ cdef class Phaser:
         try:
             if <size_t>view.len > most:
                 return -3
-            return self._call(desc, view.buf, view.len, kind, op)
+            memset(desc, 0, sizeof(desc))      # "<QQQqq16sQ": 0, kind, bytes, op, root, dtype, extra
+            desc[1] = self.all_reduce_index
+            desc[2] = view.len
+            desc[3] = <uint64_t>code
+            desc[4] = <uint64_t>(<int64_t>-1)
+            memcpy(&desc[5], PyBytes_AS_STRING(name), min(<size_t>len(name), 16))
+            return self._call(<const char *>desc, sizeof(desc), view.buf, view.len, kind, code)
         finally:
             PyBuffer_Release(&view)
 
@@ -1018,7 +1044,8 @@ cdef class Phaser:
                                     length = _part_start(chunk, n, j + 1) - s
                                     memcpy(<void *>(self.bufs + (2 * me + b) * self.slot + s * isz),
                                            <const void *>(addr + (lo + s) * isz), length * isz)
-                    how = self._enter(desc if r == 0 else None)
+                    how = (self._enter(PyBytes_AS_STRING(desc), len(desc)) if r == 0 else
+                           self._enter(NULL, 0))
                     if how == -1:
                         return -2
                     if how == 0:

@@ -73,7 +73,8 @@ def _parts(count: int, n: int) -> list[tuple[int, int]]:
 _BARRIER = _DESC.pack(0, KINDS.index("barrier"), 0, 0, -1, b"", 0)
 _QUICK_KINDS = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2,
                 np.dtype(np.int64): 3}
-_QUICK_OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MIN: 2, ReduceOp.MAX: 3}
+_QUICK_OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MIN: 2, ReduceOp.MAX: 3}   # = their values
+_PHASER_KINDS = {dtype: (kind, dtype.name.encode()) for dtype, kind in _QUICK_KINDS.items()}
 
 
 def _quick_plan(dtype: np.dtype, op: ReduceOp) -> tuple | None:
@@ -132,7 +133,8 @@ class GroupComm:
         self.lock = threading.Lock()
         self.backoff = world.engine.backoff
         self.ph = _core.Phaser(self.ctl[0], CTL_STRIDE, self.n, self.me, self.others, self.my_bell,
-                               self.backoff, self.lock, _BARRIER, self.buffers[0][0], self.slot)
+                               self.backoff, self.lock, _BARRIER, self.buffers[0][0], self.slot,
+                               _PHASER_KINDS, KINDS.index("all_reduce"))
 
     @property
     def phase(self) -> int:
@@ -308,21 +310,12 @@ class GroupComm:
         and op, reduced in C in one call when the others are already there:
         what all_reduce below does for it, with less Python around. False,
         having done nothing, when it does not apply."""
-        plan = self.quick.get((arr.dtype, op), False)
-        if plan is False:
-            plan = self.quick[(arr.dtype, op)] = _quick_plan(arr.dtype, op)
-        if plan is None:
-            return False
-        kind, code, name = plan
-        desc = self.packed.get((name, arr.nbytes, op))
-        if desc is None:
-            desc = self.packed[(name, arr.nbytes, op)] = \
-                _DESC.pack(0, KINDS.index("all_reduce"), arr.nbytes, int(op), -1, name.encode(), 0)
-        how = self.ph.all_reduce(arr, kind, code, desc, self.small)
+        how = self.ph.all_reduce(arr, op, self.small)
         if how > 0:
             return True
         if how <= -2:
             return False
+        kind, code, name = _quick_plan(arr.dtype, op)
         what = lambda: f"all_reduce({op.name}, {describe(arr.nbytes, name, arr.shape)})"
         try:                              # the Phaser left the lock held
             if how < 0 or self._finish_pass(what, timeout, True) < 0:
