@@ -110,7 +110,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``tensor`` across the group; every rank ends with the result, in place."""
     quick = op.__class__ is ReduceOp      # the one-call path may apply
     if quick and group is None and _g._lane is not None:    # the default group's, before any other work
-        arr = _g.fast_array(tensor)
+        arr = tensor if tensor.__class__ is np.ndarray else _g.fast_array(tensor)
         if arr is not None and _g._world.default.coll.quick_all_reduce(arr, op, _g._world.timeout):
             return completed("all_reduce", [tensor]) if async_op else None
         quick = False
@@ -118,7 +118,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     if comm is None:
         return None
     if quick:
-        arr = _g.fast_array(tensor)
+        arr = tensor if tensor.__class__ is np.ndarray else _g.fast_array(tensor)
         if arr is not None and comm.quick_all_reduce(arr, op, g.timeout):
             return completed("all_reduce", [tensor]) if async_op else None
     who = f"rank {w.rank}: all_reduce"

@@ -406,7 +406,7 @@ def send(tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> D
     """Send ``tensor`` to global rank ``dst``. Returns at once; ``wait()``
     returns when the bytes are handed over (the tensor may be reused then)."""
     if _lane is not None and group is None:
-        arr = fast_array(tensor)
+        arr = tensor if tensor.__class__ is np.ndarray else fast_array(tensor)
         if arr is not None:
             req = _lane.send(arr, dst, tag)
             if req is not None:
@@ -426,7 +426,7 @@ def recv(tensor, src: int | None = None, group: ProcessGroup | None = None,
     """Receive into ``tensor`` from global rank ``src`` (any rank when None).
     The request's ``source`` tells the sender once complete."""
     if _lane is not None and group is None and src is not None:
-        arr = fast_array(tensor)
+        arr = tensor if tensor.__class__ is np.ndarray else fast_array(tensor)
         if arr is not None:
             req = _lane.recv(arr, src, tag)
             if req is not None:
