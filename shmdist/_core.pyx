@@ -396,12 +396,15 @@ cdef void _reduce_rows(_num *out, size_t first, size_t stride, int n, size_t cou
 
 
 cdef void _reduce_parts(_num *out, const size_t *ins, int n, size_t count, int op) noexcept nogil:
-    """out = ins[0] op ins[1] op ... (n >= 2 inputs at any addresses, in that
-    order, as _reduce_rows); ``out`` must not overlap an input."""
+    """out = ins[0] op ins[1] op ... (n inputs at any addresses, in that
+    order, as _reduce_rows; one input is copied); ``out`` must not overlap
+    an input."""
     cdef const _num *a = <const _num *>ins[0]
     cdef const _num *b
     cdef size_t i
     cdef int j
+    if n == 1:
+        memcpy(out, a, count * sizeof(_num))
     for j in range(1, n):
         b = <const _num *>ins[j]
         if op == 0:

@@ -262,8 +262,8 @@ def quick_all_reduce_cases(rank, world_size, init_method, use_torch):
                                         "MAX": "maximum"}[op]).reduce(rows, axis=0, dtype=rows.dtype)
                 if got.tobytes() != want.tobytes():     # the same bits, in rank order
                     bad.append((dtype, op, count))
-    if rank == 0 and not took[0]:
-        bad.append("rank 0 never took the C reduction")
+    if (rank == 0 or use_torch) and not took[0]:     # torch tensors too, with nothing sent before
+        bad.append(f"rank {rank} never took the C reduction")
     dist.destroy_process_group()
     return bad
 
@@ -347,7 +347,7 @@ def large_all_reduce_cases(rank, world_size, init_method, small_rounds):
     for dtype in ("float32", "float64", "int32", "int64"):
         for op in ("SUM", "PRODUCT", "MIN", "MAX"):
             for count in counts:
-                for root in (-1, world_size - 1):
+                for root in (-1, *range(world_size)):
                     case += 1
                     comm.c_rounds = case % world_size != rank
                     got = _contribution(rank, dtype, count)
@@ -429,3 +429,28 @@ def torch_tensors_take_the_lane(rank, world_size, init_method):
 def test_plain_torch_tensors_take_the_fast_lane(run_ranks):
     pytest.importorskip("torch")
     assert run_ranks(torch_tensors_take_the_lane, 2) == [[], []]
+
+
+def one_member_cases(rank, world_size, init_method):
+    """Large all_reduce and reduce where the group has one member: the world
+    of one rank, or new_group([r]) in a bigger job. The result is the input."""
+    _init(rank, world_size, init_method)
+    alone = [dist.new_group([r]) for r in range(world_size)][rank] if world_size > 1 else None
+    bad = []
+    for dtype in ("float32", "float64", "int32", "int64"):
+        for count in (7, (64 << 10) // np.dtype(dtype).itemsize + 1, 200001):
+            for call in ("all_reduce", "reduce"):
+                got = _contribution(rank, dtype, count)
+                if call == "all_reduce":
+                    dist.all_reduce(got, dist.ReduceOp.SUM, group=alone)
+                else:
+                    dist.reduce(got, rank, dist.ReduceOp.SUM, group=alone)
+                if got.tobytes() != _contribution(rank, dtype, count).tobytes():
+                    bad.append((dtype, count, call))
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_large_all_reduce_of_one_member_is_its_input(run_ranks, world_size):
+    assert run_ranks(one_member_cases, world_size) == [[]] * world_size
