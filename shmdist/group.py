@@ -372,17 +372,24 @@ def _tag(w, tag, op) -> int:
     return tag
 
 
-_Tensor = None   # torch.Tensor, once one went the general way: its plain CPU tensors then take
-                 # the fast paths as numpy views
+_Tensor = None   # torch.Tensor, once the first torch tensor came: its plain CPU tensors take the
+                 # fast paths as numpy views
 
 
 def fast_array(tensor) -> np.ndarray | None:
     """``tensor`` itself when it is a numpy array, a numpy view of a plain
     torch CPU tensor (no autograd, no conjugate or negative bit, a dtype
     numpy has), else None: what the fast paths may take."""
+    global _Tensor
     if tensor.__class__ is np.ndarray:
         return tensor
-    if tensor.__class__ is not _Tensor or tensor.requires_grad:
+    if tensor.__class__ is not _Tensor:
+        if _Tensor is not None or not is_torch_tensor(tensor):
+            return None
+        _Tensor = sys.modules["torch"].Tensor
+        if tensor.__class__ is not _Tensor:       # a subclass (Parameter...): the general way
+            return None
+    if tensor.requires_grad:
         return None
     try:
         return tensor.numpy()
@@ -392,10 +399,7 @@ def fast_array(tensor) -> np.ndarray | None:
 
 def _learn(w: World, tensor, buf) -> None:
     """Teach the fast lane a dtype the general path accepted, by its numpy dtype."""
-    global _Tensor
     if tensor.__class__ is not np.ndarray:
-        if _Tensor is None and is_torch_tensor(tensor):
-            _Tensor = sys.modules["torch"].Tensor
         tensor = fast_array(tensor)
         if tensor is None or tensor.dtype.name != buf.dtype:
             return

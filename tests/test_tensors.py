@@ -156,6 +156,15 @@ def lazy_views(rank, world_size, init_method):
     summed = torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex64).conj()
     dist.all_reduce(summed)
     got["all_reduce conj"] = summed.tolist()
+    negated = torch.tensor([1.0, -2.0])._neg_view()
+    dist.all_reduce(negated)
+    got["all_reduce neg"] = negated.tolist()
+    if rank == 0:
+        dist.send(torch.tensor([5.0, 6.0]), 1).wait()
+    else:
+        view = torch.zeros(2)._neg_view()
+        dist.recv(view, 0).wait()
+        got["into neg"] = view.tolist()
     dist.destroy_process_group()
     return got
 
@@ -164,9 +173,10 @@ def test_conjugate_and_negative_views_move_their_values(run_ranks):
     pytest.importorskip("torch")
     got = run_ranks(lazy_views, 2)
     both = [2 - 2j, 4 + 2j]
-    assert got == [{"all_reduce conj": both},
+    negs = [-2.0, 4.0]
+    assert got == [{"all_reduce conj": both, "all_reduce neg": negs},
                    {"conj sent": [1 - 2j, 3 + 4j], "neg sent": [-1.0, 2.0], "into conj": [1 + 2j, 3 - 4j],
-                    "all_reduce conj": both}]
+                    "all_reduce conj": both, "all_reduce neg": negs, "into neg": [5.0, 6.0]}]
 
 
 def _read_only() -> np.ndarray:
