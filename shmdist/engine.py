@@ -175,7 +175,8 @@ class Engine:
 
     def poll(self) -> None:
         with self.lock:
-            self.progress()
+            if not self.closed:
+                self.progress()
 
     def progress(self, drain: bool = True) -> None:
         """Move every pending send and receive as far as it goes now.
@@ -297,6 +298,9 @@ class Engine:
     def wait_for(self, req, timeout: float | None) -> None:
         """Block until ``req`` is done, its deadline passes, or a peer it
         depends on is gone."""
+        if self.closed:         # close() failed every pending request: this one was not pending
+            raise DistError(f"rank {self.rank}: {req.op}: destroy_process_group was called; it never "
+                            "completes")
         if self.lane.pending is req and self.lane.wait_pending(req, self.backoff.spin):
             return
         limit = self.timeout if timeout is None else float(timeout)
@@ -403,8 +407,21 @@ class Engine:
         return False
 
     def close(self) -> None:
-        self.closed = True
-        self.lane.pending = None
+        """Leave: every operation still pending fails now, naming the
+        destroy, so that its wait() raises instead of touching memory that
+        is unmapped next."""
+        with self.lock:
+            self.closed = True
+            reqs = [self.lane.pending] + [r.req for r in self.posted]
+            reqs += [op.req for q in self.sendq.values() for op in q]
+            reqs += [inc.target.req for inc in self.rx.values() if inc is not None and inc.target is not None]
+            reqs += [inc.claimed.req for inc in self.unexpected if inc.claimed is not None]
+            self.lane.pending = None
+            self.posted, self.sendq = [], {}
+        for req in reqs:
+            if req is not None and not req._done:
+                req._complete(DistError(f"rank {self.rank}: {req.op}: destroy_process_group was called "
+                                        "before it completed; it never will"))
         for fd in self.pidfds.values():
             if fd is not None and fd >= 0:
                 os.close(fd)

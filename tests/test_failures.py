@@ -169,6 +169,41 @@ def test_waiting_on_a_peer_that_goes_away_raises_naming_it(run_ranks, no_leaks, 
     assert glob.glob(f"/dev/shm/shmdist-{no_leaks}-*") == []
 
 
+def pending_at_destroy(rank, world_size, init_method, where):
+    """Operations still pending when their rank calls destroy_process_group:
+    a receive waiting in the fast lane (``where`` "lane") or posted to the
+    engine ("engine"), and a send too big for the ring. Their wait() and
+    is_completed() afterwards must answer, not touch unmapped memory."""
+    from shmdist import group
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    box = np.zeros(4)
+    out = {}
+    if rank == 1:
+        dist.recv(box, 0).wait()        # teaches the lane float64 through the general path
+        recv = dist.irecv(np.zeros(4), 0 if where == "lane" else None)
+        out["in lane"] = group._lane.pending is recv
+        send = dist.isend(np.zeros((64 << 20) // 8), 0)
+        dist.destroy_process_group()
+        for name, req in (("recv", recv), ("send", send)):
+            out[name + " completed"] = req.is_completed()
+            try:
+                req.wait(timeout=5)
+                out[name] = "returned"
+            except dist.DistError as e:
+                out[name] = "destroy_process_group" in str(e) and "rank 1" in str(e)
+    else:
+        dist.send(box, 1).wait()
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("where", ["lane", "engine"])
+def test_wait_after_destroy_raises_instead_of_crashing(run_ranks, where):
+    got = run_ranks(pending_at_destroy, 2, where)[1]
+    assert got == {"in lane": where == "lane", "recv completed": True, "recv": True,
+                   "send completed": True, "send": True}
+
+
 def interrupted(rank, world_size, init_method):
     """Rank 1 sends SIGINT to rank 0 while rank 0 blocks in wait()."""
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
