@@ -43,6 +43,7 @@ import time
 import traceback
 
 DUMP_SIGNAL = signal.SIGUSR1   # a rank that gets it prints the stacks of its threads
+FAIL_GRACE = 1.0              # seconds the other ranks get to report their own errors after one failed
 
 
 class RankFailed(Exception):
@@ -198,7 +199,7 @@ def _collect(procs, conns, timeout: float, errors: str) -> list:
                 status, value = "error", RankError(rank, None, "", f"exited with code {code} without "
                                                    "a result", "", code)
             if status == "error" and errors == "raise":
-                _fail(procs, rank, value)
+                _fail(procs, rank, value, _late_errors(waiting, FAIL_GRACE))
             results[rank] = value
     for rank, p in enumerate(procs):
         p.join(max(0.0, deadline - time.monotonic()))
@@ -211,14 +212,38 @@ def _collect(procs, conns, timeout: float, errors: str) -> list:
     return results
 
 
-def _fail(procs, rank: int, error: RankError):
+def _late_errors(waiting: dict, grace: float) -> list:
+    """The errors other ranks report within ``grace`` seconds of the first
+    one: that one is often only the consequence (a peer that left) of
+    another rank's failure, whose traceback is the one that explains it."""
+    found = []
+    end = time.monotonic() + grace
+    while waiting:
+        left = end - time.monotonic()
+        ready = multiprocessing.connection.wait(list(waiting), left) if left > 0 else []
+        if not ready:
+            break
+        for conn in ready:
+            waiting.pop(conn)
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                continue
+            if status == "error":
+                found.append(value)
+    return found
+
+
+def _fail(procs, rank: int, error: RankError, also: list = ()):
     others = [r for r, p in enumerate(procs) if r != rank and p.is_alive()]
     for r in others:
         procs[r].kill()
     killed = f" (killed ranks {others}, still running)" if others else ""
     what = f"raised {error.type}: {error.message}" if error.type else error.message
+    more = "".join(f"\n\n--- rank {e.rank} raised too: {e.type}: {e.message} ---\n{e.traceback}"
+                   for e in also)
     raise RankFailed(f"rank {rank} {what}{killed}\n\n--- traceback of rank {rank} ---\n"
-                     f"{error.traceback}")
+                     f"{error.traceback}{more}")
 
 
 def _time_out(procs, late: list, timeout: float, why: str):
