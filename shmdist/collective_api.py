@@ -84,8 +84,10 @@ def _list(w, op, tensors, n, what):
 
 def barrier(group=None, async_op=False, device_ids=None):
     """Return when every rank of the group has called barrier."""
-    if group is None and _g._lane is not None and _g._world.default.coll.quick_barrier(_g._world.timeout):
-        return completed("barrier", []) if async_op else None
+    if group is None and _g._barrier is not None:
+        how = _g._barrier()               # the default group's whole barrier, when the others are there
+        if how > 0 or _g._world.default.coll.quick_barrier(_g._world.timeout, how):
+            return completed("barrier", []) if async_op else None
     w, g, comm = _enter("barrier", group)
     if comm is None:
         return None

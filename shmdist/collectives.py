@@ -290,10 +290,12 @@ class GroupComm:
             if self.me != root:
                 _core.copy(buf.addr + at, self._buf(root, b), size)
 
-    def quick_barrier(self, timeout: float) -> bool:
+    def quick_barrier(self, timeout: float, how: int | None = None) -> bool:
         """The whole barrier in one C call when the others are already there
-        (else it sleeps here). False, having done nothing, for a broken group."""
-        how = self.ph.barrier()
+        (else it sleeps here). False, having done nothing, for a broken group.
+        ``how``: what Phaser.barrier() returned, when the caller called it."""
+        if how is None:
+            how = self.ph.barrier()
         if how > 0:
             return True
         if how == -2:

@@ -117,6 +117,15 @@ class World:
 
 _world: World | None = None
 _lane = None    # _world's engine.lane while _world may be used: send/recv try it first
+_barrier = None  # the default group's Phaser.barrier then (shared-memory groups only): barrier tries it
+
+
+def _set_fast(w: "World | None") -> None:
+    """Point the fast paths at ``w`` (None: at nothing, e.g. after destroy)."""
+    global _lane, _barrier
+    _lane = w.engine.lane if w is not None else None
+    coll = w.default.coll if w is not None else None
+    _barrier = coll.ph.barrier if isinstance(coll, collectives.GroupComm) else None
 
 
 def world(op: str = "this call") -> World:
@@ -135,8 +144,7 @@ def world(op: str = "this call") -> World:
 
 def _mark_forked() -> None:
     """In a forked child: the inherited group belongs to the parent."""
-    global _lane
-    _lane = None
+    _set_fast(None)
     if _world is not None:
         _world.forked = True
 
@@ -148,8 +156,9 @@ os.register_at_fork(after_in_child=_mark_forked)
 def _close_at_exit() -> None:
     """A script that never called destroy_process_group still says goodbye,
     so its peers learn it left rather than died."""
-    global _world, _lane
-    w, _world, _lane = _world, None, None
+    global _world
+    w, _world = _world, None
+    _set_fast(None)
     if w is not None:
         w.close()
 
@@ -158,7 +167,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                        world_size: int = -1, rank: int = -1, store=None, group_name: str = "",
                        pg_options=None, device_id=None) -> None:
     """Join the job: meet the other ranks, map shared memory, build the default group."""
-    global _world, _lane
+    global _world
     if _world is not None and not _world.forked:
         raise DistError(f"rank {_world.rank}: init_process_group: trying to initialize the default "
                         "process group twice; call destroy_process_group first")
@@ -205,7 +214,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                             "each rank needs a few per peer and rank 0 a few more for the store: raise "
                             "the limit (ulimit -n)") from e
         raise
-    _world, _lane = w, w.engine.lane
+    _world = w
+    _set_fast(w)
 
 
 def _setup(w: World) -> None:
@@ -267,10 +277,11 @@ def _open_collectives(w: World, g: ProcessGroup):
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Leave the job (default group) or retire one group. Pending sends that
     have not completed are dropped; completed ones stay deliverable."""
-    global _world, _lane
+    global _world
     w = world("destroy_process_group")
     if group is None or group is w.default:
-        _world = _lane = None
+        _world = None
+        _set_fast(None)
         w.close()
         return
     group.destroyed = True

@@ -425,7 +425,7 @@ COLLECTIVES = {
 def dies_in_collective(rank, world_size, init_method, name, victim, at_phase, deathfile):
     """The victim dies just before it arrives at phase ``at_phase`` of the
     collective (0: right after the collective returned)."""
-    from shmdist import collectives
+    from shmdist import collectives, group as group_module
     _, _, root_dies = COLLECTIVES[name]
     root = victim if root_dies else 0
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
@@ -443,7 +443,8 @@ def dies_in_collective(rank, world_size, init_method, name, victim, at_phase, de
         collectives.GroupComm._pass = counting_pass
         # The victim takes the general path, whose phases the hook counts; the
         # survivors keep the one-call quick paths, whose waits end the same way.
-        collectives.GroupComm.quick_barrier = lambda self, timeout: False
+        collectives.GroupComm.quick_barrier = lambda self, timeout, how=None: False
+        group_module._barrier = None
         collectives.GroupComm.quick_all_reduce = lambda self, arr, op, timeout: False
         collectives.GroupComm.c_rounds = False
         call()
