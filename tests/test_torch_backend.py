@@ -385,8 +385,13 @@ def test_torchrun_runs_an_unchanged_ddp_script():
     lines = {}
     for name, args in launchers.items():
         done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=180, cwd=ROOT)
-        assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
         lines[name] = done.stdout.strip().splitlines()
+        # gloo itself sometimes aborts in its teardown after the script finished ("terminate called
+        # without an active exception", SIGABRT in destroy_process_group): the reference's figures
+        # still count then, shmdist's runs must exit cleanly
+        gloo_teardown = (name == "torchrun gloo" and len(lines[name]) == 5 and "parameters" in lines[name][-1]
+                         and "terminate called without an active exception" in done.stderr)
+        assert done.returncode == 0 or gloo_teardown, f"{name} failed:\n{done.stdout}\n{done.stderr}"
     shm = lines["torchrun shm"]
     assert len(shm) == 5 and shm[-1].startswith("shm world_size 2 parameters "), shm
     for name in ("torchrun gloo", "shmdist-run shm"):
