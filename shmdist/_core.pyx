@@ -368,37 +368,12 @@ ctypedef fused _num:
     int64_t
 
 
-cdef void _reduce_rows(_num *out, size_t first, size_t stride, int n, size_t count, int op) noexcept nogil:
-    """out = row 0 op row 1 op ... (rank order, as numpy's ufunc.reduce along
-    the first axis does, so both give the same bits); ``op`` 0 SUM,
-    1 PRODUCT, 2 MIN, 3 MAX (MIN and MAX for integers only: numpy's NaN
-    rules are its own). Integer overflow wraps (-fwrapv), as in numpy."""
-    cdef const _num *row
-    cdef size_t i
-    cdef int j
-    memcpy(out, <const void *>first, count * sizeof(_num))
-    for j in range(1, n):
-        row = <const _num *>(first + j * stride)
-        if op == 0:
-            for i in range(count):
-                out[i] = out[i] + row[i]
-        elif op == 1:
-            for i in range(count):
-                out[i] = out[i] * row[i]
-        elif op == 2:
-            for i in range(count):
-                if row[i] < out[i]:
-                    out[i] = row[i]
-        else:
-            for i in range(count):
-                if row[i] > out[i]:
-                    out[i] = row[i]
-
-
 cdef void _reduce_parts(_num *out, const size_t *ins, int n, size_t count, int op) noexcept nogil:
-    """out = ins[0] op ins[1] op ... (n inputs at any addresses, in that
-    order, as _reduce_rows; one input is copied); ``out`` must not overlap
-    an input."""
+    """out = ins[0] op ins[1] op ... (n inputs at any addresses; one input
+    is copied), in rank order, as numpy's ufunc.reduce along the first axis
+    does, so both give the same bits; ``op`` 0 SUM, 1 PRODUCT, 2 MIN, 3 MAX
+    (MIN and MAX for integers only: numpy's NaN rules are its own). Integer
+    overflow wraps (-fwrapv), as in numpy. ``out`` must not overlap an input."""
     cdef const _num *a = <const _num *>ins[0]
     cdef const _num *b
     cdef size_t i
@@ -442,22 +417,26 @@ cdef void _reduce_parts_kind(int kind, int op, size_t out, const size_t *ins, in
 
 
 def reduce_rows(int kind, int op, size_t out, size_t first, size_t stride, int n, size_t count):
-    """The C reduction of small all_reduce (see _reduce_rows); ``kind`` 0
+    """The C reduction of small all_reduce (see _reduce_parts); ``kind`` 0
     float32, 1 float64, 2 int32, 3 int64."""
     _reduce_kind(kind, op, out, first, stride, n, count)
 
 
-cdef void _reduce_kind(int kind, int op, size_t out, size_t first, size_t stride, int n,
-                       size_t count) noexcept:
+cdef int _reduce_kind(int kind, int op, size_t out, size_t first, size_t stride, int n,
+                      size_t count) except -1:
+    """_reduce_parts of n rows ``stride`` bytes apart from ``first``."""
+    cdef size_t[64] near
+    cdef size_t *ins = &near[0] if n <= 64 else <size_t *>malloc(n * sizeof(size_t))
+    cdef int j
+    if ins == NULL:
+        raise MemoryError()
+    for j in range(n):
+        ins[j] = first + j * stride
     with nogil:
-        if kind == 0:
-            _reduce_rows[float](<float *>out, first, stride, n, count, op)
-        elif kind == 1:
-            _reduce_rows[double](<double *>out, first, stride, n, count, op)
-        elif kind == 2:
-            _reduce_rows[int32_t](<int32_t *>out, first, stride, n, count, op)
-        else:
-            _reduce_rows[int64_t](<int64_t *>out, first, stride, n, count, op)
+        _reduce_parts_kind(kind, op, out, ins, n, count)
+    if ins != &near[0]:
+        free(ins)
+    return 0
 
 
 def wait_phase(size_t flags, size_t stride, int n, uint64_t target, size_t ctl,
