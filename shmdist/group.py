@@ -276,7 +276,8 @@ def _open_collectives(w: World, g: ProcessGroup):
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Leave the job (default group) or retire one group. Pending sends that
-    have not completed are dropped; completed ones stay deliverable."""
+    have not completed are dropped; completed ones stay deliverable. The
+    requests of operations still pending fail: their wait() raises."""
     global _world
     w = world("destroy_process_group")
     if group is None or group is w.default:
