@@ -955,6 +955,19 @@ cdef class Phaser:
         """A whole barrier: 2 or 1 when passed; -2, 0 and -1 as for _call."""
         return self._call(PyBytes_AS_STRING(self.barrier_desc), len(self.barrier_desc), NULL, 0, 0, 0)
 
+    def plan(self, dtype, op):
+        """(reduce_parts kind, op code, dtype name) when the C reduction
+        takes ``dtype`` and ReduceOp ``op``, else None (other dtypes, AVG and
+        bitwise ops, and MIN/MAX of floats, whose NaN rules are numpy's)."""
+        plan = self.kinds.get(dtype)
+        if plan is None or not PyLong_Check(op):
+            return None
+        kind, name = plan
+        code = PyLong_AsLong(op)
+        if code < 0 or code > 3 or (code >= 2 and kind <= 1):
+            return None
+        return kind, code, name
+
     def all_reduce(self, arr, op, size_t most):
         """A whole small all_reduce of a C-contiguous writable numpy array of
         a dtype in ``kinds`` with ReduceOp ``op`` (0 SUM, 1 PRODUCT; 2 MIN and
@@ -968,13 +981,10 @@ cdef class Phaser:
         cdef int kind
         cdef uint64_t desc[8]
         cdef bytes name
-        plan = self.kinds.get(arr.dtype)
-        if plan is None or not PyLong_Check(op):
+        plan = self.plan(arr.dtype, op)
+        if plan is None:
             return -3
-        kind, name = plan
-        code = PyLong_AsLong(op)
-        if code < 0 or code > 3 or (code >= 2 and kind <= 1):
-            return -3
+        kind, code, name = plan
         try:
             PyObject_GetBuffer(arr, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
         except (BufferError, ValueError):

@@ -71,20 +71,8 @@ def _parts(count: int, n: int) -> list[tuple[int, int]]:
 
 
 _BARRIER = _DESC.pack(0, KINDS.index("barrier"), 0, 0, -1, b"", 0)
-_QUICK_KINDS = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2,
-                np.dtype(np.int64): 3}
-_QUICK_OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MIN: 2, ReduceOp.MAX: 3}   # = their values
-_PHASER_KINDS = {dtype: (kind, dtype.name.encode()) for dtype, kind in _QUICK_KINDS.items()}
-
-
-def _quick_plan(dtype: np.dtype, op: ReduceOp) -> tuple | None:
-    """(dtype code, op code, dtype name) of _core.reduce_rows, or None when
-    numpy must do it (other dtypes, AVG and bitwise ops, and MIN/MAX of
-    floats, whose NaN rules are numpy's)."""
-    kind, code = _QUICK_KINDS.get(dtype), _QUICK_OPS.get(op)
-    if kind is None or code is None or (code >= 2 and kind <= 1):
-        return None
-    return kind, code, dtype.name
+_PHASER_KINDS = {np.dtype(t): (kind, np.dtype(t).name.encode())    # the dtypes the C reduction takes
+                 for kind, t in enumerate((np.float32, np.float64, np.int32, np.int64))}
 
 
 def _said(what) -> str:
@@ -317,8 +305,8 @@ class GroupComm:
             return True
         if how <= -2:
             return False
-        kind, code, name = _quick_plan(arr.dtype, op)
-        what = lambda: f"all_reduce({op.name}, {describe(arr.nbytes, name, arr.shape)})"
+        kind, code, _ = self.ph.plan(arr.dtype, op)
+        what = lambda: f"all_reduce({op.name}, {describe(arr.nbytes, arr.dtype.name, arr.shape)})"
         try:                              # the Phaser left the lock held
             if how < 0 or self._finish_pass(what, timeout, True) < 0:
                 self._mismatch(what)
@@ -337,7 +325,7 @@ class GroupComm:
         the next round (reduce-scatter), and everyone copies the reduced
         parts out one round later (all-gather), so the two stages of
         consecutive chunks share a phase. For the dtypes and ops of
-        _quick_plan the rounds run in C, in the same chunks.
+        Phaser.plan the rounds run in C, in the same chunks.
         """
         kind = "all_reduce" if root < 0 else "reduce"
         what = (lambda: f"{kind}({op.name}, {buf.describe()})") if root < 0 else \
@@ -357,7 +345,7 @@ class GroupComm:
         per_round = min((self.slot // isz - 1) * n // (n + 1), self.round_bytes // isz)
         plan = self.quick.get((dtype, op), False) if self.c_rounds else None
         if plan is False:
-            plan = self.quick[(dtype, op)] = _quick_plan(dtype, op)
+            plan = self.quick[(dtype, op)] = self.ph.plan(dtype, op)
         if plan is not None:
             self._all_reduce_rounds(arr, plan, per_round, root, what, desc, timeout)
             return

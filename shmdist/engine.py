@@ -299,8 +299,7 @@ class Engine:
         """Block until ``req`` is done, its deadline passes, or a peer it
         depends on is gone."""
         if self.closed:         # close() failed every pending request: this one was not pending
-            raise DistError(f"rank {self.rank}: {req.op}: destroy_process_group was called; it never "
-                            "completes")
+            raise self._destroyed(req)
         if self.lane.pending is req and self.lane.wait_pending(req, self.backoff.spin):
             return
         limit = self.timeout if timeout is None else float(timeout)
@@ -406,6 +405,10 @@ class Engine:
                     return False
         return False
 
+    def _destroyed(self, req) -> DistError:
+        return DistError(f"rank {self.rank}: {req.op}: destroy_process_group was called before it "
+                         "completed; it never will")
+
     def close(self) -> None:
         """Leave: every operation still pending fails now, naming the
         destroy, so that its wait() raises instead of touching memory that
@@ -420,8 +423,7 @@ class Engine:
             self.posted, self.sendq = [], {}
         for req in reqs:
             if req is not None and not req._done:
-                req._complete(DistError(f"rank {self.rank}: {req.op}: destroy_process_group was called "
-                                        "before it completed; it never will"))
+                req._complete(self._destroyed(req))
         for fd in self.pidfds.values():
             if fd is not None and fd >= 0:
                 os.close(fd)
