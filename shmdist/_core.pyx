@@ -955,7 +955,7 @@ cdef class Phaser:
         """A whole barrier: 2 or 1 when passed; -2, 0 and -1 as for _call."""
         return self._call(PyBytes_AS_STRING(self.barrier_desc), len(self.barrier_desc), NULL, 0, 0, 0)
 
-    def plan(self, dtype, op):
+    cpdef object plan(self, dtype, op):
         """(reduce_parts kind, op code, dtype name) when the C reduction
         takes ``dtype`` and ReduceOp ``op``, else None (other dtypes, AVG and
         bitwise ops, and MIN/MAX of floats, whose NaN rules are numpy's)."""
