@@ -21,6 +21,7 @@ cdef enum:
     _CLOSED = 4       # uint32: 1 once the owner left the group cleanly
     _BELL = 64        # uint32: doorbell sequence, bumped by anyone with news for the owner
     _SLEEPING = 128   # uint32: number of owner threads asleep on the doorbell
+    _CAUSE = 136      # bytes: why the owner left, NUL-padded (written before _CLOSED)
     _HDR = 128        # bytes of one message header in a ring
     NOGIL_COPY = 65536  # copies at least this big drop the GIL
     SLICE = 131072      # a ring publishes its index after each slice this big
@@ -63,18 +64,33 @@ def buffer_address(obj, bint writable=False):
 
 # ---------------------------------------------------------------- doorbells
 
+CAUSE_BYTES = CTL_BYTES - _CAUSE
+
+
 def ctl_set_pid(size_t ctl, uint32_t pid):
     sd_store32(_u32(ctl + _PID), pid)
+    memset(<void *>(ctl + _CAUSE), 0, CAUSE_BYTES)
     sd_store32(_u32(ctl + _CLOSED), 0)
 
 
-def ctl_close(size_t ctl):
-    """Mark the owner as gone cleanly and wake it (and anyone) once."""
+def ctl_close(size_t ctl, bytes cause=b""):
+    """Mark the owner as gone cleanly, with why it left (UTF-8, at most
+    CAUSE_BYTES; "" for a plain destroy). The store that marks it comes
+    last, so a peer that sees it closed reads the whole cause."""
+    cdef Py_ssize_t n = min(len(cause), CAUSE_BYTES)
+    memset(<void *>(ctl + _CAUSE), 0, CAUSE_BYTES)
+    memcpy(<void *>(ctl + _CAUSE), PyBytes_AS_STRING(cause), n)
     sd_store32(_u32(ctl + _CLOSED), 1)
 
 
 def ctl_closed(size_t ctl):
     return sd_load32(_u32(ctl + _CLOSED)) != 0
+
+
+def ctl_cause(size_t ctl):
+    """What the owner wrote as its cause when it closed (b"" if none)."""
+    cdef bytes raw = PyBytes_FromStringAndSize(<char *>(ctl + _CAUSE), CAUSE_BYTES)
+    return raw.split(b"\0", 1)[0]
 
 
 cdef inline void _ring_bell(size_t ctl) noexcept nogil:

@@ -42,6 +42,14 @@ _headers: dict = {}
 _dtype_fields: dict = {}
 
 
+LEFT = "left the group (destroy_process_group)"
+
+
+def left_because(cause: str) -> str:
+    """How a peer that left is described, with the failure that made it leave."""
+    return f"{LEFT} after {cause}" if cause else LEFT
+
+
 def dtype_field(dtype: str) -> bytes:
     """A dtype name as the header carries it (16 bytes, zero-padded)."""
     field = _dtype_fields.get(dtype)
@@ -109,7 +117,8 @@ class Engine:
         self.rx: dict[int, _Incoming | None] = {src: None for src, _ in self.chan_in}
         self.unexpected: list[_Incoming] = []
         self.lock = threading.RLock()
-        self.dead: dict[int, str] = {}
+        self.dead: dict[int, str] = {}    # peer -> why it is gone
+        self.causes: dict[int, str] = {}  # peer that left -> the failure it left over
         self.pidfds = {}
         for r, pid in peer_pids.items():
             try:
@@ -328,12 +337,19 @@ class Engine:
         if peer in self.dead:
             return self.dead[peer]
         if peer in self.links:
-            gone = self.links[peer].gone()
+            link = self.links[peer]
+            gone = link.gone()
             if gone:
                 self.dead[peer] = gone
+                if link.cause:
+                    self.causes[peer] = link.cause
             return gone
         if peer in self.peer_ctls and _core.ctl_closed(self.peer_ctls[peer]):
-            return "left the group (destroy_process_group)"   # then maybe exited: still a clean leave
+            # a clean leave (the rank may have exited since), maybe forced by another's failure
+            cause = _core.ctl_cause(self.peer_ctls[peer]).decode(errors="ignore")
+            if cause:
+                self.causes[peer] = cause
+            return left_because(cause)
         fd = self.pidfds.get(peer, -1)
         gone = None
         if fd is None:
@@ -349,6 +365,20 @@ class Engine:
         if gone:
             self.dead[peer] = gone
         return gone
+
+    def leave_cause(self) -> str:
+        """Why this rank leaves, for its peers to report: the first peer it
+        saw fail ("rank 2 died"), else the cause a leaving peer passed on,
+        else "" (a plain destroy)."""
+        for peer, why in self.dead.items():
+            if peer not in self.causes and not why.startswith(LEFT):
+                return f"rank {peer} {why}"
+        return next(iter(self.causes.values()), "")
+
+    def partly_sent(self) -> set:
+        """The peers a record went out to only in part (their channel is mid-record)."""
+        with self.lock:
+            return {dst for dst, q in self.sendq.items() if q and 0 < q[0].pos < q[0].total}
 
     def _check_peers(self, req) -> None:
         peers = [p for p in req._peers if p is not None]

@@ -103,14 +103,15 @@ class World:
                 if failed:
                     g.coll.unlink()
                 g.coll.close()
+        cause = self.engine.leave_cause() if self.engine is not None else ""
         if self.tcp is not None:
-            self.tcp.close()
+            self.tcp.close(cause, self.engine.partly_sent() if self.engine is not None else ())
         if self.engine is not None:
             self.engine.close()
         if self.host is not None:
             if failed:
                 self.host.seg.unlink()
-            self.host.close()
+            self.host.close(cause)
         if self.owned_store is not None:
             self.owned_store.close(linger=FAILED_INIT_LINGER if failed else 0.0)
 

@@ -128,11 +128,12 @@ class ShmHost:
             "rings_of_this_rank": 2 * (n - 1) * self.ring_bytes,
         }
 
-    def close(self) -> None:
-        """Say goodbye: peers waiting on this rank learn it left, not died."""
+    def close(self, cause: str = "") -> None:
+        """Say goodbye: peers waiting on this rank learn it left, not died,
+        and ``cause``: the failure that made it leave, if one did."""
         if os.getpid() != self.seg.pid:
             return
-        _core.ctl_close(self.my_ctl)
+        _core.ctl_close(self.my_ctl, cause.encode()[:_core.CAUSE_BYTES])
         for r, ctl in self.ctls.items():
             _core.ring_bell(ctl)
         self.out = self.inc = {}

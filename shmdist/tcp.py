@@ -13,6 +13,13 @@ them. When one would block, the link asks the I/O thread to watch it; the
 I/O thread sleeps in ``poll`` and, when a watched socket can move, rings
 this process's doorbell so that an engine wait wakes up and moves it.
 
+A rank that leaves (destroy_process_group, or the interpreter's exit) sends
+a last record on each link, a goodbye whose payload is why it leaves: ""
+or the failure it saw ("rank 2 died"). The peer then reports "left the
+group ... after rank 2 died" instead of a bare closed connection, so every
+survivor names the rank that failed first. A connection that closes
+without a goodbye is a rank that crashed, was killed, or exited mid-send.
+
 Connections are made eagerly at init, one per pair of ranks on different
 hosts: each rank listens on a port advertised through the store, connects
 to the lower ranks and accepts the higher ones. Both ends prove the job
@@ -38,7 +45,7 @@ import warnings
 import numpy as np
 
 from shmdist import _core
-from shmdist.engine import HDR, MAGIC, VERSION
+from shmdist.engine import HDR, MAGIC, VERSION, left_because
 from shmdist.errors import DistError, DistPeerError, DistTimeoutError
 from shmdist.rendezvous import SECRET_ENV, PrefixStore, recv_exact
 from shmdist.tensors import MAX_DIMS
@@ -48,6 +55,11 @@ HELLO = struct.Struct("<IHHi16s32s")   # magic, version, 0, rank, nonce, job dig
 HELLO_MAGIC = 0x50435444              # "DTCP"
 PROOF_BYTES = 32
 CLOSED = "the connection closed during the handshake"
+HUNG_UP = ("closed its connection without saying goodbye (it crashed, was killed, or exited "
+           "in the middle of an operation)")
+GOODBYE = b"_goodbye"                  # the dtype field of the goodbye record; no dtype starts with "_"
+GOODBYE_MAX = 1024                     # bytes of cause a goodbye carries at most
+GOODBYE_WAIT = 1.0                     # seconds a receiver waits for the rest of a goodbye
 MAX_NDIM = 64                          # torch and numpy allow no more dimensions
 TORCH_ITEMSIZE = {"bfloat16": 2, "complex32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
                   "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
@@ -121,6 +133,7 @@ class Link:
         self.me, self.peer = transport.rank, peer
         self.armed = 0               # poll events the I/O thread watches for us
         self.broken: str | None = None
+        self.cause = ""              # the failure the peer said it left over (its goodbye)
         self.head = bytearray(_core.HEADER_BYTES)
         self.got = 0                 # bytes of the next header received
 
@@ -165,6 +178,10 @@ class Link:
         except FrameError as e:
             self._break(f"sent a malformed message ({e.detail})")
             return None
+        _, _, _, _, _, _, _, nbytes, dtype, *_ = HDR.unpack(header)
+        if dtype.rstrip(b"\0") == GOODBYE:
+            self._goodbye(nbytes)
+            return None
         return header
 
     def pull(self, addr: int, nbytes: int, pos: int) -> int:
@@ -185,8 +202,7 @@ class Link:
         if self.broken is None:
             try:
                 if self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                    self._break("closed its connection (it exited, crashed, or called "
-                                "destroy_process_group)")
+                    self._break(HUNG_UP)
             except BlockingIOError:
                 pass
             except OSError as e:
@@ -207,8 +223,41 @@ class Link:
             self._break(f"closed its connection ({e.strerror})")
             return 0
         if n == 0:
-            self._break("closed its connection (it exited, crashed, or called destroy_process_group)")
+            self._break(HUNG_UP)
         return n
+
+    def _goodbye(self, nbytes: int) -> None:
+        """The peer left: read why (sent with the header, so it has arrived
+        or is about to) and close the link with it."""
+        self.got = 0
+        cause = bytearray(min(nbytes, GOODBYE_MAX))
+        got, deadline = 0, time.monotonic() + GOODBYE_WAIT
+        while got < len(cause) and time.monotonic() < deadline:
+            select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
+            try:
+                n = self.sock.recv_into(memoryview(cause)[got:])
+            except BlockingIOError:
+                continue
+            except OSError:
+                break
+            if not n:
+                break
+            got += n
+        self.cause = bytes(cause[:got]).decode(errors="replace")
+        self._break(left_because(self.cause))
+
+    def say_goodbye(self, cause: str) -> None:
+        """Send the goodbye record (best effort: never blocks; a peer whose
+        socket buffer is full sees a plain hang-up instead)."""
+        if self.broken:
+            return
+        text = cause.encode()[:GOODBYE_MAX]
+        header = HDR.pack(MAGIC, VERSION, 1, 0, 0, self.me, 0, len(text), GOODBYE, len(text),
+                          *([0] * (MAX_DIMS - 1)))
+        try:
+            self.sock.send(header + text)
+        except OSError:
+            pass
 
     def _arm(self, event: int) -> None:
         self.transport.watch(self, event)
@@ -394,19 +443,39 @@ class Transport:
                         poller.modify(fd, link.armed)
                 _core.ring_bell(self.ctl)
 
-    def close(self) -> None:
-        """Stop the I/O thread and close every connection."""
+    def close(self, cause: str = "", busy=()) -> None:
+        """Stop the I/O thread and close every connection, saying goodbye
+        with ``cause`` on each except those to the ``busy`` peers (a record
+        to them went out only in part: anything more would garble it)."""
         with self.lock:
             self.closed = True
         os.write(self.wake_w, b"\0")
         if self.thread.is_alive():
             self.thread.join()
-        for link in self.links.values():
-            link._break("left the group (destroy_process_group)")
+        for peer, link in self.links.items():
+            if peer not in busy:
+                link.say_goodbye(cause)
+            _discard_unread(link.sock)   # else close() resets the connection and may drop the goodbye
+            link._break(left_because(cause))
             link.sock.close()
         self.links = {}
         os.close(self.wake_r)
         os.close(self.wake_w)
+
+
+def _discard_unread(sock: socket.socket, limit: int = 64 << 20) -> None:
+    """Read and drop what has arrived and not been read (up to ``limit``):
+    Linux answers the close of a socket with unread data by a reset, which
+    can discard what this side still had queued for the peer."""
+    scratch = bytearray(1 << 16)
+    while limit > 0:
+        try:
+            n = sock.recv_into(scratch, 0, socket.MSG_DONTWAIT)
+        except OSError:
+            return
+        if not n:
+            return
+        limit -= n
 
 
 def _listen_address(store) -> str:

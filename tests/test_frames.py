@@ -150,8 +150,43 @@ def test_a_huge_claimed_length_is_refused_before_anything_is_allocated(link_and_
 def test_a_closed_socket_is_reported(link_and_wire):
     link, wire = link_and_wire
     wire.close()
-    assert "closed its connection" in link.gone()
+    assert link.gone().startswith("closed its connection without saying goodbye")
     assert link.peek() is None
+
+
+class _PeerTransport(_Transport):
+    rank = PEER
+
+
+def test_a_goodbye_after_data_is_read_in_order_and_gives_the_cause(link_and_wire):
+    link, wire = link_and_wire
+    data = np.arange(10, dtype=np.int16)
+    wire.sendall(make_header(0, 0, PEER, as_buf(data, writable=False, who="test")) + data.tobytes())
+    Link(_PeerTransport(), wire, ME).say_goodbye("rank 2 died")
+    assert link.gone() is None                  # the data first: nothing already sent is lost
+    assert link.peek() is not None
+    out = np.zeros_like(data)
+    link.pull(out.ctypes.data, out.nbytes, 0)
+    assert (out == data).all()
+    assert link.peek() is None
+    assert link.gone() == "left the group (destroy_process_group) after rank 2 died"
+    assert link.cause == "rank 2 died"
+
+
+def test_a_plain_goodbye_and_a_cut_or_oversized_one(link_and_wire):
+    link, wire = link_and_wire
+    Link(_PeerTransport(), wire, ME).say_goodbye("")
+    assert link.peek() is None and link.gone() == "left the group (destroy_process_group)"
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    cut = Link(_Transport(), ours, PEER)
+    goodbye = with_fields(good_header((1,), "uint8"), nbytes=1 << 30, dims=[1 << 30] + [0] * 7,
+                          dtype=b"_goodbye")
+    theirs.sendall(goodbye + b"rank 9 ")     # claims a GiB of cause, sends 7 bytes, hangs up
+    theirs.close()
+    assert cut.peek() is None and cut.cause == "rank 9 "
+    assert cut.gone().startswith("left the group")
+    ours.close()
 
 
 @settings(max_examples=200, deadline=None)

@@ -91,5 +91,6 @@ def test_a_rank_dying_on_another_host_is_named(run_ranks):
     for rank in (0, 3):     # host a's leader (waits on rank 2 over TCP) and rank 2's host mate
         kind, message = results[rank]
         assert kind == "DistPeerError" and "rank 2 " in message, (rank, kind, message)
-    kind, message = results[1]  # waits on its leader, which left after it named rank 2
+    kind, message = results[1]  # waits on its leader, which left after it named rank 2, and says so
     assert kind == "DistPeerError" and "rank 0 left the group" in message, message
+    assert "after rank 2 " in message, message

@@ -178,14 +178,16 @@ def test_same_secret_connects_and_a_record_crosses(monkeypatch):
             if got < total:    # the I/O thread rings rank 0's doorbell when more can move
                 _core.wait_bell(t0.ctl, seen, 0, 0, 0.05)
         assert header_in == header and (out == data).all()
-        t1.close()
-        assert "closed its connection" in _wait_gone(b)
+        t1.close("rank 7 died")      # its goodbye says why it left
+        assert _wait_gone(b) == "left the group (destroy_process_group) after rank 7 died"
+        assert b.cause == "rank 7 died"
     finally:
         t0.close()
 
 
 def _wait_gone(link):
     for _ in range(1000):
+        link.peek()                  # a goodbye is a record: it is read in order, after the data
         why = link.gone()
         if why:
             return why
