@@ -191,6 +191,7 @@ class GroupComm:
             if time.monotonic() >= deadline:
                 waiting = ", ".join(str(self.group.ranks[i]) for i in late)
                 self.broken = f"{what} timed out"
+                self.world.engine.note_timeout(f"{what} waiting for rank{'s' if len(late) > 1 else ''} {waiting}")
                 raise DistTimeoutError(
                     f"rank {self.rank}: {what} timed out after {timeout:g} s waiting for rank(s) "
                     f"{waiting} of group {list(self.group.ranks)}; they have not called it. This "

@@ -119,6 +119,7 @@ class Engine:
         self.lock = threading.RLock()
         self.dead: dict[int, str] = {}    # peer -> why it is gone
         self.causes: dict[int, str] = {}  # peer that left -> the failure it left over
+        self.timed_out = ""               # this rank's first timeout, as its peers should read it
         self.pidfds = {}
         for r, pid in peer_pids.items():
             try:
@@ -369,11 +370,17 @@ class Engine:
     def leave_cause(self) -> str:
         """Why this rank leaves, for its peers to report: the first peer it
         saw fail ("rank 2 died"), else the cause a leaving peer passed on,
-        else "" (a plain destroy)."""
+        else its own first timeout, else "" (a plain destroy)."""
         for peer, why in self.dead.items():
             if peer not in self.causes and not why.startswith(LEFT):
                 return f"rank {peer} {why}"
-        return next(iter(self.causes.values()), "")
+        return next(iter(self.causes.values()), self.timed_out)
+
+    def note_timeout(self, what: str) -> None:
+        """Remember this rank's first timeout (``what``: the operation and
+        whom it waited for) as the cause its goodbye gives."""
+        if not self.timed_out:
+            self.timed_out = f"rank {self.rank} timed out in {what}"
 
     def partly_sent(self) -> set:
         """The peers a record went out to only in part (their channel is mid-record)."""
@@ -402,6 +409,7 @@ class Engine:
             cancelled = self._cancel(req, force=False)
         peers = [p for p in req._peers if p is not None]
         who = f" with rank {peers[0]}" if len(peers) == 1 else (" with any rank" if peers else "")
+        self.note_timeout(f"{req.op}{who}")
         fate = ("it was cancelled" if cancelled else
                 "part of the message already moved, so it stays pending: wait() again to finish it")
         raise DistTimeoutError(

@@ -20,6 +20,7 @@ import hashlib
 import os
 import signal
 import threading
+import time
 from collections import namedtuple
 
 import numpy as np
@@ -561,6 +562,37 @@ def test_killed_rank_is_named_by_the_survivors(run_ranks, how):
         first, after, calls = results[rank]
         assert "rank 2" in first and "all_reduce" in first, first
         assert after in ("DistError", "DistPeerError")
+
+
+def leaves_after_a_timeout(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    pair = dist.new_group([0, 2], timeout=2)
+    if rank == 0:
+        try:
+            dist.all_reduce(np.ones(4), group=pair)      # rank 2 never comes
+        except dist.DistTimeoutError:
+            pass
+        dist.destroy_process_group()
+        return "left"
+    if rank == 2:
+        time.sleep(4)
+        dist.destroy_process_group()
+        return "idle"
+    try:                                                # rank 1 waits on rank 0, which leaves
+        dist.recv(np.zeros(1), src=0).wait(timeout=30)
+        return "no error"
+    except dist.DistPeerError as e:
+        return str(e)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_leaves_after_a_timeout_says_so(run_ranks):
+    """Rank 1 never saw the timeout itself: rank 0's goodbye tells it what happened."""
+    results = run_ranks(leaves_after_a_timeout, 3, timeout=60)
+    message = results[1]
+    assert "rank 0 left the group (destroy_process_group) after rank 0 timed out in all_reduce" in message
+    assert "rank 2" in message, message
 
 
 # ---------------------------------------------------------------- 0-d and empty tensors
