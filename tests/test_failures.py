@@ -206,6 +206,9 @@ def test_wait_after_destroy_raises_instead_of_crashing(run_ranks, where):
 
 def interrupted(rank, world_size, init_method):
     """Rank 1 sends SIGINT to rank 0 while rank 0 blocks in wait()."""
+    # Python raises KeyboardInterrupt only if SIGINT was not ignored when it started, and a shell
+    # starts background jobs (`pytest &`, nohup) with SIGINT ignored: put Python's handler back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
     word = np.zeros(1, dtype=np.int64)
     if rank == 0:
