@@ -133,7 +133,7 @@ class ShmHost:
         and ``cause``: the failure that made it leave, if one did."""
         if os.getpid() != self.seg.pid:
             return
-        _core.ctl_close(self.my_ctl, cause.encode()[:_core.CAUSE_BYTES])
+        _core.ctl_close(self.my_ctl, cause.encode())   # cut to CAUSE_BYTES there
         for r, ctl in self.ctls.items():
             _core.ring_bell(ctl)
         self.out = self.inc = {}

@@ -89,11 +89,12 @@ def _itemsize(name: str) -> int | None:
         return None
 
 
-def check_header(raw: bytes, peer: int, me: int) -> None:
+def check_header(raw: bytes, peer: int, me: int) -> tuple[bytes, int]:
     """Raise FrameError unless ``raw`` (HEADER_BYTES received from rank
     ``peer``) is a record header that rank could have sent: our magic and
     version, its own rank as source, a dtype name, a shape that accounts
-    for the length, and a length a host could hold."""
+    for the length, and a length a host could hold. Returns the dtype name
+    and the length."""
     magic, version, ndim, _tag, _gid, src, _, nbytes, dtype, *dims = HDR.unpack(raw)
     if magic != MAGIC:
         raise FrameError(me, peer, f"bad magic {magic:#010x}, expected {MAGIC:#010x}")
@@ -109,13 +110,14 @@ def check_header(raw: bytes, peer: int, me: int) -> None:
     if ndim > MAX_NDIM:
         raise FrameError(me, peer, f"{ndim} dimensions, at most {MAX_NDIM} exist")
     if ndim > MAX_DIMS:
-        return      # the header carries no shape then, only the length
+        return name, nbytes     # the header carries no shape then, only the length
     shape = dims[:ndim]
     if any(d < 0 for d in shape) or any(dims[ndim:]):
         raise FrameError(me, peer, f"shape {tuple(dims)} for {ndim} dimensions")
     itemsize = _itemsize(name.decode())
     if itemsize is not None and itemsize * int(np.prod(shape, dtype=object)) != nbytes:
         raise FrameError(me, peer, f"length {nbytes} does not match {name.decode()}{list(shape)}")
+    return name, nbytes
 
 
 def _memory(addr: int, nbytes: int) -> memoryview:
@@ -174,12 +176,11 @@ class Link:
             self.got += n
         header = bytes(self.head)
         try:
-            check_header(header, self.peer, self.me)
+            dtype, nbytes = check_header(header, self.peer, self.me)
         except FrameError as e:
             self._break(f"sent a malformed message ({e.detail})")
             return None
-        _, _, _, _, _, _, _, nbytes, dtype, *_ = HDR.unpack(header)
-        if dtype.rstrip(b"\0") == GOODBYE:
+        if dtype == GOODBYE:
             self._goodbye(nbytes)
             return None
         return header
