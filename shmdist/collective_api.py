@@ -18,12 +18,12 @@ import numpy as np
 
 from shmdist import group as _g
 from shmdist.errors import DistError, DistMismatchError
-from shmdist.reduce_ops import ReduceOp, as_op, check
+from shmdist.reduce_ops import ReduceOp, as_op, check, reduce_into
 from shmdist.request import completed
 from shmdist import _core
 from shmdist.engine import COLLECTIVE_GID
 from shmdist.request import DistributedRequest
-from shmdist.tensors import as_buf, describe, typed_view
+from shmdist.tensors import Buf, as_buf, describe, typed_view
 
 
 def _enter(op: str, group):
@@ -78,6 +78,35 @@ def _list(w, op, tensors, n, what):
         raise DistError(f"rank {w.rank}: {op}: {what} must be a list of {n} tensors (one per rank of the "
                         f"group), got {got}")
     return tensors
+
+
+def _overlaps(a, b) -> bool:
+    return a.nbytes > 0 and b.nbytes > 0 and a.addr < b.addr + b.nbytes and b.addr < a.addr + a.nbytes
+
+
+def _unaliased(ins: list, outs: list, same_ok: tuple = ()) -> list:
+    """``ins`` with every input that shares memory with an output replaced by
+    a private copy, so that writing the outputs cannot change an input that
+    is still to be read (in-place reduce_scatter into my own chunk,
+    all_to_all_single with one tensor as input and output, ...). A pair
+    (i, j) in ``same_ok`` may be exactly the same memory: the collective
+    writes output j with input i's own bytes (in-place all_gather). Costs
+    nothing when nothing overlaps."""
+    out = list(ins)
+    for i, b in enumerate(ins):
+        for j, o in enumerate(outs):
+            if _overlaps(b, o) and not ((i, j) in same_ok and (b.addr, b.nbytes) == (o.addr, o.nbytes)):
+                out[i] = _copy_of(b)
+                break
+    return out
+
+
+def _copy_of(b):
+    """A Buf over a private copy of ``b``'s bytes, with its dtype and shape."""
+    arr = typed_view(b) if isinstance(b, Buf) else None      # a _Piece is copied as bytes
+    arr = np.empty(b.nbytes, dtype=np.uint8) if arr is None else np.empty_like(arr)
+    _core.copy(arr.ctypes.data, b.addr, b.nbytes)
+    return Buf(arr, arr.ctypes.data, b.nbytes, b.dtype, b.shape, None)
 
 
 # ---------------------------------------------------------------- tensor collectives
@@ -156,6 +185,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     buf = as_buf(tensor, writable=False, who=who)
     outs = [as_buf(t, writable=True, who=who) for t in _list(w, "all_gather", tensor_list, g.size(), "tensor_list")]
     _same(w, "all_gather", outs, buf, "tensor_list")
+    buf = _unaliased([buf], outs, ((0, g.rank()),))[0]
     with comm.lock:
         comm.all_gather([o.addr for o in outs], buf, -1, g.timeout)
     return _done("all_gather", async_op, list(tensor_list), outs)
@@ -170,8 +200,10 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     buf = as_buf(input_tensor, writable=False, who=who)
     out = as_buf(output_tensor, writable=True, who=who)
     _split_check(w, who, out, buf, g.size(), "output_tensor")
+    pieces = [_Piece(out.addr + j * buf.nbytes, buf.nbytes, out.dtype, buf.shape) for j in range(g.size())]
+    buf = _unaliased([buf], pieces, ((0, g.rank()),))[0]
     with comm.lock:
-        comm.all_gather([out.addr + j * buf.nbytes for j in range(g.size())], buf, -1, g.timeout)
+        comm.all_gather([p.addr for p in pieces], buf, -1, g.timeout)
     return _done("all_gather_into_tensor", async_op, [output_tensor], [out])
 
 
@@ -201,6 +233,8 @@ def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op=False):
     root = _root(w, g, dst, "gather", "dst")
     buf = as_buf(tensor, writable=False, who=who)
     outs = _root_list(w, g, root, gather_list, buf, "gather", "gather_list", writable=True)
+    if outs:
+        buf = _unaliased([buf], outs, ((0, g.rank()),))[0]
     with comm.lock:
         comm.all_gather([o.addr for o in outs], buf, root, g.timeout)
     return _done("gather", async_op, list(gather_list or []), outs)
@@ -215,13 +249,17 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op=False)
     root = _root(w, g, src, "scatter", "src")
     buf = as_buf(tensor, writable=True, who=who)
     ins = _root_list(w, g, root, scatter_list, buf, "scatter", "scatter_list", writable=False)
+    ins = _unaliased(ins, [buf], ((g.rank(), 0),))
     with comm.lock:
         comm.scatter([i.addr for i in ins], buf, root, g.timeout)
     return _done("scatter", async_op, [tensor], [buf])
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
-    """``output`` of group rank i gets the reduction of every rank's ``input_list[i]``."""
+    """``output`` of group rank i gets the reduction of every rank's ``input_list[i]``.
+
+    As in gloo, the ranks' outputs may differ in size: ``input_list[j]`` has
+    the size of rank j's output on every rank."""
     w, g, comm = _enter("reduce_scatter", group)
     if comm is None:
         return None
@@ -229,12 +267,36 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
     op = as_op(op, who)
     out = as_buf(output, writable=True, who=who)
     ins = [as_buf(t, writable=False, who=who) for t in _list(w, "reduce_scatter", input_list, g.size(), "input_list")]
-    _same(w, "reduce_scatter", ins, out, "input_list")
+    for i, b in enumerate(ins):
+        if b.dtype != out.dtype:
+            raise DistMismatchError(f"{who}: input_list[{i}] is {b.describe()} but the output is "
+                                    f"{out.describe()}; use one dtype")
+    me = g.rank()
+    if ins[me].nbytes != out.nbytes:
+        raise DistMismatchError(f"{who}: input_list[{me}] (this rank's own piece) is {ins[me].describe()} "
+                                f"but the output is {out.describe()}; they must be the same size")
     out_arr = _reducible(out, op, who)
-    in_arrs = [typed_view(b) for b in ins]
-    with comm.lock:
-        comm.reduce_scatter(out, out_arr, [b.addr for b in ins], in_arrs, op, g.timeout)
+    ins = _unaliased(ins, [out])
+    if any(b.nbytes != out.nbytes for b in ins):
+        _reduce_scatter_uneven(w, g, comm, who, op, out, out_arr, ins)
+    else:
+        with comm.lock:
+            comm.reduce_scatter(out, out_arr, [b.addr for b in ins], [typed_view(b) for b in ins], op,
+                                g.timeout)
     return _done("reduce_scatter", async_op, [output], [out])
+
+
+def _reduce_scatter_uneven(w, g, comm, who, op, out, out_arr, ins) -> None:
+    """reduce_scatter whose pieces differ in size: every rank checks every
+    pair's sizes, sends each member its piece, and reduces what it got in
+    rank order."""
+    got = [np.empty_like(out_arr) for _ in ins]
+    recv = [Buf(a, a.ctypes.data, out.nbytes, out.dtype, out.shape, None) for a in got]
+    with comm.lock:
+        comm.barrier_as("reduce_scatter", out.dtype, g.timeout)
+        _check_sizes(g, comm, who, recv, ins)
+        _exchange_p2p(w, g, who, recv, ins)
+    reduce_into(out_arr, got, op, out.dtype, g.size())
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
@@ -250,9 +312,11 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     out_arr = _reducible(out, op, who)
     whole = typed_view(inp)
     k = out_arr.size
+    pieces = [Buf(whole[j * k:(j + 1) * k], inp.addr + j * out.nbytes, out.nbytes, out.dtype, out.shape, None)
+              for j in range(g.size())]
+    ins = _unaliased(pieces, [out])      # in place: the output is one of the pieces
     with comm.lock:
-        comm.reduce_scatter(out, out_arr, [inp.addr + j * out.nbytes for j in range(g.size())],
-                            [whole[j * k:(j + 1) * k] for j in range(g.size())], op, g.timeout)
+        comm.reduce_scatter(out, out_arr, [b.addr for b in ins], [typed_view(b) for b in ins], op, g.timeout)
     return _done("reduce_scatter_tensor", async_op, [output], [out])
 
 
@@ -326,6 +390,9 @@ def _exchange(w, g, comm, who, outs, ins):
                                     f"{b.dtype}")
     piece = ins[0].nbytes
     even = all(b.nbytes == piece for b in ins + outs)
+    # in the arena's rounds an output exactly over its own input is written only after that
+    # input's bytes of the round were read; point-to-point pieces may land before they are sent
+    ins = _unaliased(ins, outs, tuple((j, j) for j in range(len(ins))) if even else ())
     with comm.lock:
         if even:
             comm.all_to_all([o.addr for o in outs], [i.addr for i in ins], piece, ins[0].dtype, g.timeout)

@@ -193,7 +193,7 @@ class GroupComm:
                 self.broken = f"{what} timed out"
                 self.world.engine.note_timeout(f"{what} waiting for rank{'s' if len(late) > 1 else ''} {waiting}")
                 raise DistTimeoutError(
-                    f"rank {self.rank}: {what} timed out after {timeout:g} s waiting for rank(s) "
+                    f"rank {self.rank}: {what}: Timed out after {timeout:g} s waiting for rank(s) "
                     f"{waiting} of group {list(self.group.ranks)}; they have not called it. This "
                     "group can no longer run collectives: destroy it (or the job) and start again")
 

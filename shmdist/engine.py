@@ -413,7 +413,7 @@ class Engine:
         fate = ("it was cancelled" if cancelled else
                 "part of the message already moved, so it stays pending: wait() again to finish it")
         raise DistTimeoutError(
-            f"rank {self.rank}: {req.op}{who} timed out after {limit:g} s; {fate}. Check that the "
+            f"rank {self.rank}: {req.op}{who}: Timed out after {limit:g} s; {fate}. Check that the "
             "peer posts the matching call, or pass a larger timeout")
 
     def _cancel(self, req, force: bool) -> bool:

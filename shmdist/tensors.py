@@ -108,13 +108,16 @@ def _torch_buf(t, writable: bool, who: str) -> Buf:
                         "tensor (.to_dense())")
     dtype = torch_dtype_name(t.dtype)
     shape = tuple(t.shape)
+    if t.requires_grad:
+        # as gloo does: a collective writes the values, outside autograd (the result
+        # carries no grad_fn of ours, and a leaf may be written in place)
+        t = t.detach()
     if not t.is_contiguous() or t.is_conj() or t.is_neg():
         # a lazily conjugated or negated view's memory holds the other values: move them resolved
         work = t.resolve_conj().resolve_neg().contiguous()
         finish = (lambda: t.copy_(work)) if writable else None
         return Buf(work, work.data_ptr(), work.numel() * work.element_size(), dtype, shape, t, finish)
     return Buf(t, t.data_ptr(), t.numel() * t.element_size(), dtype, shape, t)
-
 
 
 

@@ -96,7 +96,7 @@ def test_wait_timeout_raises_and_the_group_keeps_working(run_ranks):
     elapsed, is_timeout_error, is_dist_error, message, after = run_ranks(wait_times_out, 2)[0]
     assert is_timeout_error and is_dist_error
     assert 0.8 <= elapsed <= 5, f"wait(timeout=1) raised after {elapsed:.2f} s"
-    assert "rank 0: recv from rank 1" in message and "timed out after 1 s" in message
+    assert "rank 0: recv from rank 1" in message and "Timed out after 1 s" in message
     assert after == 42, "a receive posted after the timeout must get the next message"
 
 
@@ -121,7 +121,7 @@ def send_times_out(rank, world_size, init_method, nbytes):
 
 def test_send_timeout_keeps_a_started_message_pending(run_ranks):
     message, received = run_ranks(send_times_out, 2, 4 << 20)
-    assert "rank 0: send to rank 1" in message and "timed out" in message
+    assert "rank 0: send to rank 1" in message and "Timed out" in message
     assert "wait() again" in message
     assert received is True
 
