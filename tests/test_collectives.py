@@ -17,6 +17,7 @@ rounding against a wider-precision reference.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import signal
 import threading
@@ -42,6 +43,12 @@ REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
 MOVEMENTS = ("broadcast", "all_gather", "all_gather_into_tensor", "gather", "scatter", "all_to_all",
              "all_to_all_single", "barrier")
 SENTINEL = 7     # fills the gaps of strided tensors; must still be there afterwards
+
+# Without torch, cases of torch tensors run as numpy arrays and bfloat16 (which numpy lacks) is
+# left out; test_torch_tensors_and_bfloat16 then skips, saying so.
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed: torch tensors and "
+                                 "bfloat16 are tested when it is (pip install torch)")
 
 # One collective call. ``count`` is the elements of one rank's piece; ``root`` indexes the
 # group's members (the call gets the member's global rank); ``uneven`` gives all_to_all*
@@ -81,7 +88,15 @@ def make_cases(colls, sizes, dtypes=DTYPES, ops=None, first_seed=0) -> list[Case
                         cases.append(Case(coll, dtype, count, op, kind, "contiguous", _mix(i, 2) == 1,
                                           seed=i, uneven=True))
                         i += 1
-    return cases
+    return available(cases)
+
+
+def available(cases: list[Case]) -> list[Case]:
+    """``cases`` as this machine can run them: without torch, torch tensors become numpy
+    arrays and bfloat16 cases are left out."""
+    if HAVE_TORCH:
+        return cases
+    return [c._replace(kind="numpy") for c in cases if c.dtype != "bfloat16"]
 
 
 # ---------------------------------------------------------------- inputs and references
@@ -417,21 +432,32 @@ def test_large_tensors_take_the_chunked_paths(run_ranks, world_size):
               for i, coll in enumerate(MOVEMENTS)]
     cases.append(Case("all_to_all_single", "uint8", 4 * big, None, "torch", "contiguous", True, seed=40,
                       uneven=True))
+    assert_all_good(run_ranks(run_cases, world_size, available(cases), timeout=150))
+
+
+@needs_torch
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_torch_tensors_and_bfloat16(run_ranks, world_size):
+    """Every collective on torch tensors, contiguous and strided, bfloat16 included."""
+    cases = [c._replace(kind="torch") for c in
+             make_cases(REDUCTIONS + MOVEMENTS, [1, 1023], dtypes=("bfloat16", "float32", "int64"),
+                        first_seed=5000)]
     assert_all_good(run_ranks(run_cases, world_size, cases, timeout=150))
 
 
 # ---------------------------------------------------------------- ops that make no sense
 
 def bad_ops(rank, world_size, init_method):
-    import torch
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     tries = [("BXOR", np.ones(4, dtype=np.float32), "all_reduce"),
-             ("BAND", torch.ones(4, dtype=torch.bfloat16), "all_reduce"),
              ("BOR", np.ones(4, dtype=np.float64), "reduce"),
              ("AVG", np.ones(4, dtype=np.int32), "all_reduce"),
-             ("AVG", torch.ones(4, dtype=torch.int64), "reduce_scatter_tensor"),
              ("MIN", np.ones(4, dtype=np.complex64), "all_reduce"),
              ("MAX", np.ones(4, dtype=np.complex64), "reduce_scatter")]
+    if HAVE_TORCH:
+        import torch
+        tries += [("BAND", torch.ones(4, dtype=torch.bfloat16), "all_reduce"),
+                  ("AVG", torch.ones(4, dtype=torch.int64), "reduce_scatter_tensor")]
     seen = []
     for op_name, t, coll in tries:
         op = getattr(dist.ReduceOp, op_name)
@@ -598,17 +624,18 @@ def test_a_rank_that_leaves_after_a_timeout_says_so(run_ranks):
 # ---------------------------------------------------------------- 0-d and empty tensors
 
 def edge_shapes(rank, world_size, init_method):
-    import torch
-    import torch.distributed as tdist
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     out = {}
     t = np.array(rank + 1.5)                                  # 0-d numpy
     dist.all_reduce(t)
     out["all_reduce 0-d numpy"] = float(t)
-    t = torch.tensor(rank + 2)                                # 0-d torch, torch's own ReduceOp
-    dist.all_reduce(t, op=tdist.ReduceOp.PRODUCT)
-    out["all_reduce 0-d torch, torch ReduceOp"] = int(t)
-    t = torch.tensor(float(rank * 10)) if rank == 1 else torch.tensor(-1.0)
+    if HAVE_TORCH:
+        import torch
+        import torch.distributed as tdist
+        t = torch.tensor(rank + 2)                            # 0-d torch, torch's own ReduceOp
+        dist.all_reduce(t, op=tdist.ReduceOp.PRODUCT)
+        out["all_reduce 0-d torch, torch ReduceOp"] = int(t)
+    t = np.array(float(rank * 10)) if rank == 1 else np.array(-1.0)
     dist.broadcast(t, src=1)
     out["broadcast 0-d"] = float(t)
     e = np.zeros(0, dtype=np.float32)
@@ -627,8 +654,10 @@ def edge_shapes(rank, world_size, init_method):
 
 def test_0d_and_empty_tensors(run_ranks):
     results = run_ranks(edge_shapes, 3, timeout=60)
-    assert results == [{"all_reduce 0-d numpy": 7.5, "all_reduce 0-d torch, torch ReduceOp": 24,
-                        "broadcast 0-d": 10.0, "empty tensors": (0,), "after": [3]}] * 3
+    want = {"all_reduce 0-d numpy": 7.5, "broadcast 0-d": 10.0, "empty tensors": (0,), "after": [3]}
+    if HAVE_TORCH:
+        want["all_reduce 0-d torch, torch ReduceOp"] = 24
+    assert results == [want] * 3
 
 
 # ---------------------------------------------------------------- split sizes that disagree

@@ -10,21 +10,26 @@ import numpy as np
 import pytest
 
 import shmdist as dist
-from test_collectives import MOVEMENTS, REDUCTIONS, assert_all_good, make_cases, run_cases
+from test_collectives import MOVEMENTS, REDUCTIONS, assert_all_good, make_cases, needs_torch, run_cases
 
 
 # ---------------------------------------------------------------- the seed page's group
 
-def seed_group(rank, world_size, init_method):
-    import torch
+def seed_group(rank, world_size, init_method, kind):
+    """The seed page's example; with numpy arrays in place of torch tensors too."""
+    if kind == "torch":
+        import torch
+        tensor, zeros = torch.tensor, lambda n: torch.zeros(n, dtype=torch.int64)
+    else:
+        tensor, zeros = (lambda v: np.array(v, dtype=np.int64)), (lambda n: np.zeros(n, dtype=np.int64))
     dist.init_process_group(backend="gloo", init_method=init_method, rank=rank, world_size=world_size)
     new_group = dist.new_group([0, 2, 3])
     shape = (dist.get_rank(new_group), dist.get_world_size(new_group))
     result = None
     if rank in (0, 2, 3):
-        t = torch.tensor([100, 200, 300]) if dist.get_rank() == 0 else torch.zeros(3, dtype=torch.int64)
+        t = tensor([100, 200, 300]) if dist.get_rank() == 0 else zeros(3)
         dist.broadcast(t, src=0, group=new_group)
-        s = torch.tensor([rank, 1, 10 * rank])
+        s = tensor([rank, 1, 10 * rank])
         dist.all_reduce(s, group=new_group)
         dist.barrier(group=new_group)
         result = (t.tolist(), s.tolist())
@@ -32,8 +37,9 @@ def seed_group(rank, world_size, init_method):
     return shape, result
 
 
-def test_seed_page_group_with_broadcast_all_reduce_barrier(run_ranks):
-    assert run_ranks(seed_group, 4, timeout=60) == [
+@pytest.mark.parametrize("kind", [pytest.param("torch", marks=needs_torch), "numpy"])
+def test_seed_page_group_with_broadcast_all_reduce_barrier(run_ranks, kind):
+    assert run_ranks(seed_group, 4, kind, timeout=60) == [
         ((0, 3), ([100, 200, 300], [5, 3, 50])),
         ((-1, -1), None),
         ((1, 3), ([100, 200, 300], [5, 3, 50])),
