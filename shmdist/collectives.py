@@ -99,6 +99,7 @@ def open_group(world, group) -> "GroupComm":
 
 class GroupComm:
     c_rounds = True        # large all_reduce of common dtypes and ops in C (tests turn it off)
+    all_to_all_in_place = True   # an output exactly over its own input: read in a round before written
 
     def __init__(self, world, group, seg):
         self.world, self.group, self.seg = world, group, seg

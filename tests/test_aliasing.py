@@ -215,3 +215,13 @@ def test_tensors_that_require_grad_reduce_like_gloo(run_ranks):
     results = run_ranks(requires_grad_cases, 3, timeout=120)
     problems = [p for r in results for p in r]
     assert not problems, "\n".join(problems)
+
+
+def test_aliasing_and_uneven_reduce_scatter_across_pretend_hosts(run_ranks):
+    """The same through the hierarchical collectives: 4 ranks on 2 pretend hosts."""
+    from test_multihost import on_pretend_host
+    results = run_ranks(on_pretend_host, 4, "interleaved", aliasing_cases, timeout=240)
+    problems = [p for r in results for p in r]
+    results = run_ranks(on_pretend_host, 4, "blocks", uneven_reduce_scatter, 300, timeout=120)
+    problems += [p for r in results for p in r]
+    assert not problems, "\n".join(problems[:20])
