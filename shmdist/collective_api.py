@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import pickle
 import warnings
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -80,6 +81,24 @@ def _list(w, op, tensors, n, what):
     return tensors
 
 
+@contextmanager
+def _refusing(comm, g, kind: str):
+    """Around the checks of a call's own arguments: when they fail, this rank
+    still takes part in the call's first phase, as a refusal, and then raises
+    its own error. The members that called it validly raise a mismatch naming
+    the refusal, and the group stays in step instead of pairing this rank's
+    next collective with the others' current one."""
+    try:
+        yield
+    except Exception:
+        try:
+            with comm.lock:
+                comm.refuse(kind, g.timeout)
+        except DistError:
+            pass        # the others' mismatch (or a broken group): this rank's own error says more
+        raise
+
+
 def _overlaps(a, b) -> bool:
     return a.nbytes > 0 and b.nbytes > 0 and a.addr < b.addr + b.nbytes and b.addr < a.addr + a.nbytes
 
@@ -130,8 +149,9 @@ def broadcast(tensor, src: int, group=None, async_op=False):
     w, g, comm = _enter("broadcast", group)
     if comm is None:
         return None
-    root = _root(w, g, src, "broadcast", "src")
-    buf = as_buf(tensor, writable=root != g.rank(), who=f"rank {w.rank}: broadcast")
+    with _refusing(comm, g, "broadcast"):
+        root = _root(w, g, src, "broadcast", "src")
+        buf = as_buf(tensor, writable=root != g.rank(), who=f"rank {w.rank}: broadcast")
     with comm.lock:
         comm.broadcast(buf, root, g.timeout)
     return _done("broadcast", async_op, [tensor], [buf])
@@ -152,10 +172,11 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
         arr = tensor if tensor.__class__ is np.ndarray else _g.fast_array(tensor)
         if arr is not None and comm.quick_all_reduce(arr, op, g.timeout):
             return completed("all_reduce", [tensor]) if async_op else None
-    who = f"rank {w.rank}: all_reduce"
-    op = as_op(op, who)
-    buf = as_buf(tensor, writable=True, who=who)
-    arr = _reducible(buf, op, who)
+    with _refusing(comm, g, "all_reduce"):
+        who = f"rank {w.rank}: all_reduce"
+        op = as_op(op, who)
+        buf = as_buf(tensor, writable=True, who=who)
+        arr = _reducible(buf, op, who)
     with comm.lock:
         comm.all_reduce(buf, arr, op, g.timeout)
     return _done("all_reduce", async_op, [tensor], [buf])
@@ -166,11 +187,12 @@ def reduce(tensor, dst: int, op=ReduceOp.SUM, group=None, async_op=False):
     w, g, comm = _enter("reduce", group)
     if comm is None:
         return None
-    who = f"rank {w.rank}: reduce"
-    root = _root(w, g, dst, "reduce", "dst")
-    op = as_op(op, who)
-    buf = as_buf(tensor, writable=True, who=who)
-    arr = _reducible(buf, op, who)
+    with _refusing(comm, g, "reduce"):
+        who = f"rank {w.rank}: reduce"
+        root = _root(w, g, dst, "reduce", "dst")
+        op = as_op(op, who)
+        buf = as_buf(tensor, writable=True, who=who)
+        arr = _reducible(buf, op, who)
     with comm.lock:
         comm.all_reduce(buf, arr, op, g.timeout, root=root)
     return _done("reduce", async_op, [tensor], [buf] if root == g.rank() else ())
@@ -181,11 +203,12 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     w, g, comm = _enter("all_gather", group)
     if comm is None:
         return None
-    who = f"rank {w.rank}: all_gather"
-    buf = as_buf(tensor, writable=False, who=who)
-    outs = [as_buf(t, writable=True, who=who) for t in _list(w, "all_gather", tensor_list, g.size(), "tensor_list")]
-    _same(w, "all_gather", outs, buf, "tensor_list")
-    buf = _unaliased([buf], outs, ((0, g.rank()),))[0]
+    with _refusing(comm, g, "all_gather"):
+        who = f"rank {w.rank}: all_gather"
+        buf = as_buf(tensor, writable=False, who=who)
+        outs = [as_buf(t, writable=True, who=who) for t in _list(w, "all_gather", tensor_list, g.size(), "tensor_list")]
+        _same(w, "all_gather", outs, buf, "tensor_list")
+        buf = _unaliased([buf], outs, ((0, g.rank()),))[0]
     with comm.lock:
         comm.all_gather([o.addr for o in outs], buf, -1, g.timeout)
     return _done("all_gather", async_op, list(tensor_list), outs)
@@ -196,12 +219,13 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     w, g, comm = _enter("all_gather_into_tensor", group)
     if comm is None:
         return None
-    who = f"rank {w.rank}: all_gather_into_tensor"
-    buf = as_buf(input_tensor, writable=False, who=who)
-    out = as_buf(output_tensor, writable=True, who=who)
-    _split_check(w, who, out, buf, g.size(), "output_tensor")
-    pieces = [_Piece(out.addr + j * buf.nbytes, buf.nbytes, out.dtype, buf.shape) for j in range(g.size())]
-    buf = _unaliased([buf], pieces, ((0, g.rank()),))[0]
+    with _refusing(comm, g, "all_gather"):
+        who = f"rank {w.rank}: all_gather_into_tensor"
+        buf = as_buf(input_tensor, writable=False, who=who)
+        out = as_buf(output_tensor, writable=True, who=who)
+        _split_check(w, who, out, buf, g.size(), "output_tensor")
+        pieces = [_Piece(out.addr + j * buf.nbytes, buf.nbytes, out.dtype, buf.shape) for j in range(g.size())]
+        buf = _unaliased([buf], pieces, ((0, g.rank()),))[0]
     with comm.lock:
         comm.all_gather([p.addr for p in pieces], buf, -1, g.timeout)
     return _done("all_gather_into_tensor", async_op, [output_tensor], [out])
@@ -229,12 +253,13 @@ def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op=False):
     w, g, comm = _enter("gather", group)
     if comm is None:
         return None
-    who = f"rank {w.rank}: gather"
-    root = _root(w, g, dst, "gather", "dst")
-    buf = as_buf(tensor, writable=False, who=who)
-    outs = _root_list(w, g, root, gather_list, buf, "gather", "gather_list", writable=True)
-    if outs:
-        buf = _unaliased([buf], outs, ((0, g.rank()),))[0]
+    with _refusing(comm, g, "gather"):
+        who = f"rank {w.rank}: gather"
+        root = _root(w, g, dst, "gather", "dst")
+        buf = as_buf(tensor, writable=False, who=who)
+        outs = _root_list(w, g, root, gather_list, buf, "gather", "gather_list", writable=True)
+        if outs:
+            buf = _unaliased([buf], outs, ((0, g.rank()),))[0]
     with comm.lock:
         comm.all_gather([o.addr for o in outs], buf, root, g.timeout)
     return _done("gather", async_op, list(gather_list or []), outs)
@@ -245,11 +270,12 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op=False)
     w, g, comm = _enter("scatter", group)
     if comm is None:
         return None
-    who = f"rank {w.rank}: scatter"
-    root = _root(w, g, src, "scatter", "src")
-    buf = as_buf(tensor, writable=True, who=who)
-    ins = _root_list(w, g, root, scatter_list, buf, "scatter", "scatter_list", writable=False)
-    ins = _unaliased(ins, [buf], ((g.rank(), 0),))
+    with _refusing(comm, g, "scatter"):
+        who = f"rank {w.rank}: scatter"
+        root = _root(w, g, src, "scatter", "src")
+        buf = as_buf(tensor, writable=True, who=who)
+        ins = _root_list(w, g, root, scatter_list, buf, "scatter", "scatter_list", writable=False)
+        ins = _unaliased(ins, [buf], ((g.rank(), 0),))
     with comm.lock:
         comm.scatter([i.addr for i in ins], buf, root, g.timeout)
     return _done("scatter", async_op, [tensor], [buf])
@@ -263,20 +289,21 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
     w, g, comm = _enter("reduce_scatter", group)
     if comm is None:
         return None
-    who = f"rank {w.rank}: reduce_scatter"
-    op = as_op(op, who)
-    out = as_buf(output, writable=True, who=who)
-    ins = [as_buf(t, writable=False, who=who) for t in _list(w, "reduce_scatter", input_list, g.size(), "input_list")]
-    for i, b in enumerate(ins):
-        if b.dtype != out.dtype:
-            raise DistMismatchError(f"{who}: input_list[{i}] is {b.describe()} but the output is "
-                                    f"{out.describe()}; use one dtype")
-    me = g.rank()
-    if ins[me].nbytes != out.nbytes:
-        raise DistMismatchError(f"{who}: input_list[{me}] (this rank's own piece) is {ins[me].describe()} "
-                                f"but the output is {out.describe()}; they must be the same size")
-    out_arr = _reducible(out, op, who)
-    ins = _unaliased(ins, [out])
+    with _refusing(comm, g, "reduce_scatter"):
+        who = f"rank {w.rank}: reduce_scatter"
+        op = as_op(op, who)
+        out = as_buf(output, writable=True, who=who)
+        ins = [as_buf(t, writable=False, who=who) for t in _list(w, "reduce_scatter", input_list, g.size(), "input_list")]
+        for i, b in enumerate(ins):
+            if b.dtype != out.dtype:
+                raise DistMismatchError(f"{who}: input_list[{i}] is {b.describe()} but the output is "
+                                        f"{out.describe()}; use one dtype")
+        me = g.rank()
+        if ins[me].nbytes != out.nbytes:
+            raise DistMismatchError(f"{who}: input_list[{me}] (this rank's own piece) is {ins[me].describe()} "
+                                    f"but the output is {out.describe()}; they must be the same size")
+        out_arr = _reducible(out, op, who)
+        ins = _unaliased(ins, [out])
     if any(b.nbytes != out.nbytes for b in ins):
         _reduce_scatter_uneven(w, g, comm, who, op, out, out_arr, ins)
     else:
@@ -304,17 +331,18 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     w, g, comm = _enter("reduce_scatter_tensor", group)
     if comm is None:
         return None
-    who = f"rank {w.rank}: reduce_scatter_tensor"
-    op = as_op(op, who)
-    out = as_buf(output, writable=True, who=who)
-    inp = as_buf(input, writable=False, who=who)
-    _split_check(w, who, inp, out, g.size(), "input")
-    out_arr = _reducible(out, op, who)
-    whole = typed_view(inp)
-    k = out_arr.size
-    pieces = [Buf(whole[j * k:(j + 1) * k], inp.addr + j * out.nbytes, out.nbytes, out.dtype, out.shape, None)
-              for j in range(g.size())]
-    ins = _unaliased(pieces, [out])      # in place: the output is one of the pieces
+    with _refusing(comm, g, "reduce_scatter"):
+        who = f"rank {w.rank}: reduce_scatter_tensor"
+        op = as_op(op, who)
+        out = as_buf(output, writable=True, who=who)
+        inp = as_buf(input, writable=False, who=who)
+        _split_check(w, who, inp, out, g.size(), "input")
+        out_arr = _reducible(out, op, who)
+        whole = typed_view(inp)
+        k = out_arr.size
+        pieces = [Buf(whole[j * k:(j + 1) * k], inp.addr + j * out.nbytes, out.nbytes, out.dtype, out.shape, None)
+                  for j in range(g.size())]
+        ins = _unaliased(pieces, [out])      # in place: the output is one of the pieces
     with comm.lock:
         comm.reduce_scatter(out, out_arr, [b.addr for b in ins], [typed_view(b) for b in ins], op, g.timeout)
     return _done("reduce_scatter_tensor", async_op, [output], [out])
@@ -325,10 +353,12 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     w, g, comm = _enter("all_to_all", group)
     if comm is None:
         return None
-    who = f"rank {w.rank}: all_to_all"
-    n = g.size()
-    outs = [as_buf(t, writable=True, who=who) for t in _list(w, "all_to_all", output_tensor_list, n, "output_tensor_list")]
-    ins = [as_buf(t, writable=False, who=who) for t in _list(w, "all_to_all", input_tensor_list, n, "input_tensor_list")]
+    with _refusing(comm, g, "all_to_all"):
+        who = f"rank {w.rank}: all_to_all"
+        n = g.size()
+        outs = [as_buf(t, writable=True, who=who) for t in _list(w, "all_to_all", output_tensor_list, n, "output_tensor_list")]
+        ins = [as_buf(t, writable=False, who=who) for t in _list(w, "all_to_all", input_tensor_list, n, "input_tensor_list")]
+        _one_dtype(who, outs, ins)
     _exchange(w, g, comm, who, outs, ins)
     return _done("all_to_all", async_op, list(output_tensor_list), outs)
 
@@ -339,14 +369,16 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     w, g, comm = _enter("all_to_all_single", group)
     if comm is None:
         return None
-    who = f"rank {w.rank}: all_to_all_single"
-    n = g.size()
-    out = as_buf(output, writable=True, who=who)
-    inp = as_buf(input, writable=False, who=who)
-    if out.dtype != inp.dtype:
-        raise DistMismatchError(f"{who}: output is {out.dtype} but input is {inp.dtype}; use one dtype")
-    ins = _splits(w, who, inp, input_split_sizes, n, "input")
-    outs = _splits(w, who, out, output_split_sizes, n, "output")
+    with _refusing(comm, g, "all_to_all"):
+        who = f"rank {w.rank}: all_to_all_single"
+        n = g.size()
+        out = as_buf(output, writable=True, who=who)
+        inp = as_buf(input, writable=False, who=who)
+        if out.dtype != inp.dtype:
+            raise DistMismatchError(f"{who}: output is {out.dtype} but input is {inp.dtype}; use one dtype")
+        ins = _splits(w, who, inp, input_split_sizes, n, "input")
+        outs = _splits(w, who, out, output_split_sizes, n, "output")
+        _one_dtype(who, outs, ins)
     _exchange(w, g, comm, who, outs, ins)
     return _done("all_to_all_single", async_op, [output], [out])
 
@@ -381,13 +413,22 @@ def _splits(w, who, buf, sizes, n, what):
     return out
 
 
-def _exchange(w, g, comm, who, outs, ins):
-    """Equal pieces go through the arena; uneven ones by point-to-point
-    messages between the pairs, after every rank checked all the sizes."""
+def _one_dtype(who, outs, ins):
     for b in ins + outs:
         if b.dtype != ins[0].dtype:
             raise DistMismatchError(f"{who}: every tensor must have one dtype; got {ins[0].dtype} and "
                                     f"{b.dtype}")
+
+
+def _exchange(w, g, comm, who, outs, ins):
+    """Equal pieces go through the arena; uneven ones by point-to-point
+    messages between the pairs, after every rank checked all the sizes.
+
+    Whether a call is even is each rank's own view: one rank may have equal
+    pieces where another has not (a valid call). Their first phases then
+    disagree only in that; every rank sees the same descriptors, so all of
+    them go on the uneven way together."""
+    dtype = ins[0].dtype
     piece = ins[0].nbytes
     even = all(b.nbytes == piece for b in ins + outs)
     # in the arena's rounds an output exactly over its own input is written only after that
@@ -395,10 +436,16 @@ def _exchange(w, g, comm, who, outs, ins):
     same_ok = even and getattr(comm, "all_to_all_in_place", False)
     ins = _unaliased(ins, outs, tuple((j, j) for j in range(len(ins))) if same_ok else ())
     with comm.lock:
-        if even:
-            comm.all_to_all([o.addr for o in outs], [i.addr for i in ins], piece, ins[0].dtype, g.timeout)
-            return
-        comm.barrier_as("all_to_all", ins[0].dtype, g.timeout)
+        try:
+            if even:
+                comm.all_to_all([o.addr for o in outs], [i.addr for i in ins], piece, dtype, g.timeout)
+                return
+            comm.barrier_as("all_to_all", dtype, g.timeout)
+        except DistMismatchError as e:
+            if not all(c[0] == "all_to_all" and c[4] == dtype for c in getattr(e, "calls", ())):
+                raise
+            if same_ok:
+                ins = _unaliased(ins, outs)
         _check_sizes(g, comm, who, outs, ins)
         _exchange_p2p(w, g, who, outs, ins)
 

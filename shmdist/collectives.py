@@ -34,7 +34,7 @@ from shmdist.tensors import describe
 CTL_STRIDE = 256                      # per member: phase u64 at 0, descriptors at 64 and 128
 _DESC = struct.Struct("<QQQqq16sQ")   # 0 (reserved), kind, bytes, op, root, dtype, extra
 KINDS = ("barrier", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
-         "reduce_scatter", "all_to_all")
+         "reduce_scatter", "all_to_all", "refused")   # refused: a call whose own arguments were bad (op: its kind)
 DEFAULT_SLOT_BYTES = 1 << 20          # per member and buffer; two buffers each
 SLOT_ENV = "SHMDIST_ARENA_BYTES"
 SMALL_ALLREDUCE = 64 << 10            # up to this, every rank reduces the whole vector itself
@@ -224,10 +224,10 @@ class GroupComm:
         parity = (self.calls - 1) % 2
         descs = [self._read_desc(i, parity) for i in range(self.n)]
         calls = "; ".join(f"rank {self.group.ranks[i]} called {_describe(d)}" for i, d in enumerate(descs))
-        raise DistMismatchError(
+        raise mismatch(
             f"rank {self.rank}: {_said(what)}: the ranks of group {list(self.group.ranks)} disagree on "
             f"collective #{self.calls}: {calls}. Every rank of a group must call the same "
-            "collectives in the same order, with the same sizes, dtypes, ops and roots")
+            "collectives in the same order, with the same sizes, dtypes, ops and roots", descs)
 
     def _desc_at(self, member: int, parity: int) -> int:
         return self.ctl[member] - self.seg.addr + 64 + 64 * parity
@@ -262,6 +262,12 @@ class GroupComm:
     def barrier_as(self, kind: str, dtype: str, timeout: float) -> None:
         """Only the call check, for a collective whose data moves elsewhere."""
         self._first_pass(f"{kind} (uneven)", (kind, 0, 0, -1, dtype, 1), timeout)
+
+    def refuse(self, kind: str, timeout: float) -> None:
+        """Take part in a call whose own arguments were bad: the members that
+        called it validly raise a mismatch naming this rank's refusal, and the
+        group stays in step (every call passes exactly one first phase)."""
+        self._first_pass(f"{kind} (refused)", refused(kind), timeout)
 
     def broadcast(self, buf, root: int, timeout: float) -> None:
         """Root streams through its buffers; the others copy out."""
@@ -483,9 +489,27 @@ class GroupComm:
                 _core.copy(dst + at, src, size)
 
 
+def refused(kind: str) -> tuple:
+    """The descriptor of a call this rank refused for its own arguments."""
+    return ("refused", 0, KINDS.index(kind), -1, "", 0)
+
+
+def mismatch(message: str, descs: list) -> DistMismatchError:
+    """The error of a call the members disagree on; ``calls`` holds every
+    member's (kind, bytes, op, root, dtype, extra), so a caller can tell one
+    disagreement from another."""
+    e = DistMismatchError(message)
+    e.calls = [(KINDS[d[1]] if d[1] < len(KINDS) else d[1], d[2], d[3], d[4],
+                d[5].rstrip(bytes(1)).decode(errors="replace"), d[6]) for d in descs]
+    return e
+
+
 def _describe(d: tuple) -> str:
     _, kind, nbytes, op, root, dtype, _ = d
     name = KINDS[kind] if kind < len(KINDS) else f"collective kind {kind}"
+    if name == "refused":
+        of = KINDS[op] if 0 <= op < len(KINDS) else "a collective"
+        return f"{of} with arguments it refused (its own error says why)"
     args = []
     if name in ("all_reduce", "reduce", "reduce_scatter"):
         args.append(ReduceOp(op).name if 0 <= op < len(ReduceOp) else str(op))

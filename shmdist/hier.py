@@ -30,7 +30,7 @@ import numpy as np
 from shmdist import _core, collectives
 from shmdist.collectives import KINDS
 from shmdist.engine import COLLECTIVE_GID
-from shmdist.errors import DistError, DistMismatchError
+from shmdist.errors import DistError
 from shmdist.reduce_ops import ReduceOp, _from_f32, _to_f32, reduce_into
 from shmdist.request import DistributedRequest
 from shmdist.tensors import Buf, as_buf
@@ -162,10 +162,10 @@ class HierComm:
                               self.local[0], what, timeout)
         if (table != table[0]).any():
             calls = "; ".join(f"rank {r} called {_describe(rows[r])}" for r in self.group.ranks)
-            raise DistMismatchError(
+            raise collectives.mismatch(
                 f"rank {self.rank}: {what}: the ranks of group {list(self.group.ranks)} disagree: {calls}. "
                 "Every rank of a group must call the same collectives in the same order, with the same "
-                "sizes, dtypes, ops and roots")
+                "sizes, dtypes, ops and roots", [_desc(rows[r]) for r in self.group.ranks])
 
     def _block(self, table: np.ndarray, node: int) -> Buf:
         """The table rows of one node's members, as a buffer."""
@@ -180,6 +180,10 @@ class HierComm:
 
     def barrier_as(self, kind: str, dtype: str, timeout: float) -> None:
         self._check(f"{kind} (uneven)", (kind, 0, 0, -1, dtype, 1), timeout)
+
+    def refuse(self, kind: str, timeout: float) -> None:
+        """As GroupComm.refuse."""
+        self._check(f"{kind} (refused)", collectives.refused(kind), timeout)
 
     def broadcast(self, buf, root: int, timeout: float) -> None:
         """Inside the root's node, then root's leader to the other leaders,
@@ -325,7 +329,11 @@ class HierComm:
                        [(_piece(outs[j], piece), r) for j, r in others], timeout)
 
 
-def _describe(row: np.ndarray) -> str:
+def _desc(row: np.ndarray) -> tuple:
+    """A table row as the descriptor tuple collectives._describe reads."""
     kind, nbytes, op, root = (int(x) for x in row[:4])
-    dtype = row[4:6].tobytes().rstrip(b"\0").decode(errors="replace")
-    return collectives._describe((0, kind, nbytes, op, root, dtype.encode(), 0))
+    return (0, kind, nbytes, op, root, row[4:6].tobytes(), int(row[6]))
+
+
+def _describe(row: np.ndarray) -> str:
+    return collectives._describe(_desc(row))

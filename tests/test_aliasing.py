@@ -225,3 +225,41 @@ def test_aliasing_and_uneven_reduce_scatter_across_pretend_hosts(run_ranks):
     results = run_ranks(on_pretend_host, 4, "blocks", uneven_reduce_scatter, 300, timeout=120)
     problems += [p for r in results for p in r]
     assert not problems, "\n".join(problems[:20])
+
+
+def refusals_and_mixed_evenness(rank, world_size, init_method):
+    """One rank refuses its own bad arguments, and all_to_all_single is even on
+    some ranks only: every rank raises (or completes) together, and the group
+    runs a correct all_reduce afterwards."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=30)
+    n, me = world_size, rank
+    got = []
+    try:
+        dist.all_gather([np.zeros(4) for _ in range(n)], np.zeros(5 if me == 1 else 4))
+        got.append("no error")
+    except dist.DistError as e:
+        got.append(type(e).__name__ + (" naming the refusal" if "refused" in str(e) or me == 1 else ""))
+    # rank i sends s(i, j) rows to rank j; rank 0's pieces all equal 2, the others' not
+    s = lambda i, j: 2 if 0 in (i, j) else 1 + i + j
+    inp = np.concatenate([np.full(s(me, j), 10 * me + j, "float64") for j in range(n)])
+    out = np.zeros(sum(s(j, me) for j in range(n)))
+    dist.all_to_all_single(out, inp, [s(j, me) for j in range(n)], [s(me, j) for j in range(n)])
+    want = np.concatenate([np.full(s(j, me), 10 * j + me, "float64") for j in range(n)])
+    got.append(bool(np.array_equal(out, want)))
+    x = np.ones(3)
+    dist.all_reduce(x)
+    got.append(x.tolist())
+    dist.destroy_process_group()
+    return got
+
+
+@pytest.mark.parametrize("hosts", ["one host", "pretend hosts"])
+def test_a_rank_refusing_its_arguments_and_mixed_evenness_keep_the_group_in_step(run_ranks, hosts):
+    from test_multihost import on_pretend_host
+    if hosts == "one host":
+        results = run_ranks(refusals_and_mixed_evenness, 3, timeout=90)
+    else:
+        results = run_ranks(on_pretend_host, 4, "interleaved", refusals_and_mixed_evenness, timeout=90)
+    for rank, got in enumerate(results):
+        assert got[0] == ("DistMismatchError naming the refusal"), (rank, got)
+        assert got[1:] == [True, [float(len(results))] * 3], (rank, got)
