@@ -414,8 +414,10 @@ def _learn(w: World, tensor, buf) -> None:
     """Teach the fast lane a dtype the general path accepted, by its numpy dtype."""
     if tensor.__class__ is not np.ndarray:
         tensor = fast_array(tensor)
-        if tensor is None or tensor.dtype.name != buf.dtype:
+        if tensor is None:
             return
+    if tensor.dtype.name != buf.dtype or not tensor.dtype.isnative:   # the lane moves raw bytes
+        return
     w.engine.lane.dtypes[tensor.dtype] = dtype_field(buf.dtype)
 
 

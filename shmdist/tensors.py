@@ -5,6 +5,7 @@ torch is imported only when a torch tensor actually arrives, so that
 """
 from __future__ import annotations
 
+import hashlib
 import sys
 
 import numpy as np
@@ -75,17 +76,33 @@ def as_buf(tensor, *, writable: bool, who: str) -> Buf:
 _NUMPY_NAMES: dict = {}
 
 
+DTYPE_NAME_BYTES = 16   # what a message header keeps of a dtype's name
+
+
 def _numpy_name(dtype: np.dtype, who: str) -> str:
+    """The name that identifies a (native byte order) numpy dtype in a message:
+    its own name, or for structured dtypes and names too long for a header,
+    the start of the name and a digest of the whole layout (fields, their
+    order and types), so that two layouts never pass for each other."""
     name = _NUMPY_NAMES.get(dtype)
     if name is None:
         if dtype.hasobject:
             raise TypeError(f"{who}: numpy arrays of dtype {dtype} hold Python objects and cannot be "
                             "sent; use send_object_list / broadcast_object_list for objects")
-        name = _NUMPY_NAMES[dtype] = dtype.name
+        name = dtype.name
+        if dtype.fields is not None or dtype.subdtype is not None or len(name) > DTYPE_NAME_BYTES:
+            digest = hashlib.sha1(str(dtype).encode()).hexdigest()[:8]
+            name = f"{name[:DTYPE_NAME_BYTES - 9]}#{digest}"
+        _NUMPY_NAMES[dtype] = name
     return name
 
 
 def _numpy_buf(arr: np.ndarray, writable: bool, who: str) -> Buf:
+    if not arr.dtype.isnative:
+        # another byte order ('>f4'): move the values, in this host's order
+        work = arr.astype(arr.dtype.newbyteorder("="))
+        finish = (lambda: np.copyto(arr, work)) if writable else None
+        return Buf(work, work.ctypes.data, work.nbytes, _numpy_name(work.dtype, who), arr.shape, arr, finish)
     dtype = _numpy_name(arr.dtype, who)
     try:
         addr, nbytes = _core.buffer_address(arr, writable)
