@@ -22,6 +22,7 @@ from urllib.parse import urlparse, unquote
 from shmdist.errors import DistError, DistTimeoutError
 
 SECRET_ENV = "SHMDIST_SECRET"
+JOB_ENV = "SHMDIST_JOB_ID"       # set by shmdist-run; ranks of one job must agree on it
 
 _OP_SET, _OP_GET, _OP_ADD, _OP_HELLO, _OP_ARRIVE = range(1, 6)
 _OK, _TIMEOUT, _DENIED = range(3)

@@ -12,8 +12,10 @@ as under torchrun.
 
 When a rank fails (non-zero exit or a signal) the launcher stops the others:
 SIGTERM, then SIGKILL for those still alive after a grace period. SIGINT or
-SIGTERM sent to the launcher is forwarded to every rank the same way. At the
-end it removes any /dev/shm/shmdist-<job id>-* segment the job left behind.
+SIGTERM sent to the launcher is forwarded to every rank the same way. There
+is no shared memory to sweep afterwards: segments have no name (memfd) and go
+with the ranks, however they end. A launcher that is itself killed takes
+its ranks with it (PR_SET_PDEATHSIG).
 The launcher exits 0 when every rank did, else with the failing rank's exit
 code (128 + the signal number for a signal).
 """
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
 import os
 import secrets
 import signal
@@ -31,7 +32,7 @@ import sys
 import threading
 import time
 
-from shmdist.segment import JOB_ENV, PREFIX
+from shmdist.rendezvous import JOB_ENV
 
 GRACE_SECONDS = 5.0   # between SIGTERM (or a forwarded signal) and SIGKILL
 POLL_SECONDS = 0.05
@@ -211,21 +212,6 @@ class Job:
     def finish(self) -> None:
         for t in self.copiers:
             t.join(timeout=1.0)   # a grandchild may hold a pipe open: do not wait for it forever
-        self.sweep()
-
-    def sweep(self) -> None:
-        """Remove the shared memory segments of this job that no rank unlinked."""
-        leftovers = sorted(glob.glob(f"/dev/shm/{PREFIX}{self.job_id}-*"))
-        removed = []
-        for path in leftovers:
-            try:
-                os.unlink(path)
-                removed.append(os.path.basename(path))
-            except FileNotFoundError:
-                pass
-        if removed:
-            self._log(f"removed {len(removed)} shared memory segment(s) the ranks left in /dev/shm: "
-                      + ", ".join(removed))
 
     def _log(self, message: str) -> None:
         with self.out_lock:
