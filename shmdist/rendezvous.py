@@ -11,6 +11,7 @@ import errno
 import fcntl
 import hashlib
 import hmac
+import math
 import os
 import selectors
 import socket
@@ -28,7 +29,19 @@ _OP_SET, _OP_GET, _OP_ADD, _OP_HELLO, _OP_ARRIVE = range(1, 6)
 _OK, _TIMEOUT, _DENIED = range(3)
 _REQ = struct.Struct("<BIQd")   # op, key length, value length, timeout seconds
 _REP = struct.Struct("<BQ")      # status, value length
-_MAX_FRAME = 1 << 30
+GREETING = b"SHMDSTO1"           # the store's first bytes, then its nonce
+HELLO_MAGIC = b"SHMDHEL1"        # a client's HELLO value: magic, nonce, proof, job id
+NONCE_BYTES = 16
+PROOF_BYTES = 32
+MAX_JOB_ID = 256                 # bytes of job identity a HELLO may carry
+MAX_HELLO = len(HELLO_MAGIC) + NONCE_BYTES + PROOF_BYTES + MAX_JOB_ID
+MAX_KEY = 4096                   # every key and value the ranks store is far smaller
+MAX_VALUE = 1 << 20
+MAX_DATA = 64 << 20              # bytes all keys and values together may hold
+MAX_OUT = 4 << 20                # replies queued for a client that does not read them
+MAX_CONNS = 4096                 # open connections the store keeps at most
+HELLO_SECONDS = 10.0             # a connection must authenticate and ask something within this
+ACCEPT_PAUSE = 0.1               # seconds the store stops accepting when out of descriptors
 
 
 def recv_exact(sock: socket.socket, n: int, closed: str = "connection closed") -> bytes:
@@ -44,8 +57,21 @@ def recv_exact(sock: socket.socket, n: int, closed: str = "connection closed") -
     return bytes(buf)
 
 
-def _auth_token(secret: str, nonce: bytes) -> bytes:
-    return hmac.new(secret.encode(), nonce, hashlib.sha256).digest()
+def _proof(secret: str | None, role: bytes, first: bytes, second: bytes, job: bytes) -> bytes:
+    """HMAC proving the secret, bound to the role, both nonces and the job."""
+    if not secret:
+        return bytes(PROOF_BYTES)
+    return hmac.new(secret.encode(), role + first + second + job, hashlib.sha256).digest()
+
+
+def job_identity() -> str:
+    """The job this process belongs to, if its launcher said: SHMDIST_JOB_ID
+    (shmdist-run sets it), else torchrun's TORCHELASTIC_RUN_ID; "" if none."""
+    for name in (JOB_ENV, "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(name, "")
+        if value and value != "none":
+            return value[:MAX_JOB_ID]
+    return ""
 
 
 class _Waiter:
@@ -58,23 +84,59 @@ class _Waiter:
     def ready(self, data) -> bool:
         if self.count is None:
             return self.key in data
-        return int(data.get(self.key, b"0")) >= self.count
+        try:
+            return int(data.get(self.key, b"0")) >= self.count
+        except ValueError:      # someone SET the counter to garbage: it never completes
+            return False
+
+
+class _BadRequest(Exception):
+    """A request that no shmdist rank sends: its connection is closed."""
+
+
+class _Conn:
+    """One client connection: what it sent and what it still has to be sent."""
+    __slots__ = ("sock", "inbuf", "out", "nonce", "authed", "member", "since", "events")
+
+    def __init__(self, sock: socket.socket, nonce: bytes, now: float):
+        self.sock, self.nonce, self.since = sock, nonce, now
+        self.inbuf = bytearray()
+        self.out = bytearray()
+        self.authed = False     # proved the secret (or said HELLO, without one)
+        self.member = False     # made a request after HELLO: a rank's connection
+        self.events = selectors.EVENT_READ
+
+    def limit(self) -> int:
+        """Bytes of one frame this connection may send now."""
+        return _REQ.size + (MAX_KEY + MAX_VALUE if self.authed else MAX_HELLO)
 
 
 class _StoreServer:
-    """A single-threaded selector loop serving the TCPStore protocol."""
+    """A single-threaded selector loop serving the TCPStore protocol.
 
-    def __init__(self, sock: socket.socket, secret: str | None):
+    Hostile or broken clients cannot hurt it: a connection must say HELLO
+    (proving the secret, if there is one) in one small frame before anything
+    else is read, and make a request within HELLO_SECONDS; every frame is
+    bounded; replies are sent without blocking, queued per connection up to
+    MAX_OUT; a bad request closes its own connection only; out of
+    descriptors, the store drops the oldest connection that has not made a
+    request yet, or pauses accepting for a moment (no spinning).
+    """
+
+    def __init__(self, sock: socket.socket, secret: str | None, job: str = ""):
         self.sock = sock
         self.secret = secret
+        self.job = job.encode()
         self.data: dict[str, bytes] = {}
+        self.data_bytes = 0
         self.arrived: dict[str, set] = {}
         self.waiters: list[_Waiter] = []
-        self.conns: dict[socket.socket, bytearray] = {}
-        self.authed: set[socket.socket] = set()
-        self.nonce: dict[socket.socket, bytes] = {}
+        self.conns: dict[socket.socket, _Conn] = {}
         self.sel = selectors.DefaultSelector()
         self.trouble = ""      # why ranks may fail to reach this store, for the timeout messages
+        self.dropped = 0       # connections closed for misbehaving (tests read it)
+        self.accepting = True
+        self.resume_at = 0.0
         self.stop = threading.Event()
         self.wake_r, self.wake_w = socket.socketpair()
         self.thread = threading.Thread(target=self._loop, name="shmdist-store", daemon=True)
@@ -86,121 +148,201 @@ class _StoreServer:
         self.thread.start()
 
     def close(self, timeout: float = 5.0):
-        """Finish the request being served (so replies already due go out), then stop."""
+        """Stop, after sending the replies already due (for up to 2 s)."""
         self.stop.set()
         try:
             self.wake_w.send(b"x")
         except OSError:
             pass
         self.thread.join(timeout)
-        for c in list(self.conns):
-            c.close()
+        deadline = time.monotonic() + min(timeout, 2.0)
+        for c in list(self.conns.values()):
+            if c.out:
+                try:
+                    c.sock.setblocking(True)
+                    c.sock.settimeout(max(0.01, deadline - time.monotonic()))
+                    c.sock.sendall(c.out)
+                except OSError:
+                    pass
+            c.sock.close()
+        self.conns.clear()
         for s in (self.sock, self.wake_r, self.wake_w):
             s.close()
         self.sel.close()
 
+    def members(self) -> int:
+        """Connections that made a request (the ranks', normally)."""
+        return sum(c.member for c in self.conns.values())
+
+    # ------------------------------------------------------------ the loop
+
     def _loop(self):
         while not self.stop.is_set():
-            now = time.monotonic()
-            timeout = None
-            if self.waiters:
-                timeout = max(0.0, min(w.deadline for w in self.waiters) - now)
-            for key, _ in self.sel.select(timeout):
-                if key.data == "accept":
-                    self._accept()
-                elif key.data == "wake":
-                    self.wake_r.recv(64)
-                else:
-                    self._read(key.fileobj)
+            for key, events in self.sel.select(self._next_timeout()):
+                try:
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data == "wake":
+                        self.wake_r.recv(64)
+                    else:
+                        conn = self.conns.get(key.fileobj)
+                        if conn is not None and events & selectors.EVENT_WRITE:
+                            self._flush(conn)
+                        if conn is not None and events & selectors.EVENT_READ and key.fileobj in self.conns:
+                            self._read(conn)
+                except Exception as e:   # noqa: BLE001 - one connection's trouble must not stop the store
+                    self.trouble = f"the store on rank 0 hit {type(e).__name__}: {e}"
+                    if key.data not in ("accept", "wake"):
+                        self._drop(key.fileobj)
             self._expire()
 
-    def _accept(self):
-        try:
-            conn, _ = self.sock.accept()
-        except OSError as e:
-            if e.errno in (errno.EMFILE, errno.ENFILE):
-                self.trouble = (f"the store on rank 0 could not accept a connection ({e.strerror}): "
-                                "raise the open-files limit (ulimit -n)")
-            return
-        conn.setblocking(True)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.conns[conn] = bytearray()
-        nonce = os.urandom(16)
-        self.nonce[conn] = nonce
-        try:
-            conn.sendall(nonce)
-        except OSError:
-            self._drop(conn)
-            return
-        self.sel.register(conn, selectors.EVENT_READ, "conn")
+    def _next_timeout(self) -> float | None:
+        times = [w.deadline for w in self.waiters]
+        times += [c.since + HELLO_SECONDS for c in self.conns.values() if not c.member]
+        if not self.accepting:
+            times.append(self.resume_at)
+        return max(0.0, min(times) - time.monotonic()) if times else None
 
-    def _drop(self, conn):
+    def _accept(self):
+        for _ in range(64):   # a burst of connections, then serve the others
+            try:
+                sock, _ = self.sock.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self.trouble = (f"the store on rank 0 ran out of file descriptors accepting a "
+                                    f"connection ({e.strerror}); raise the open-files limit (ulimit -n)")
+                    if not self._evict():
+                        self._pause_accepting()
+                return
+            if len(self.conns) >= MAX_CONNS and not self._evict():
+                sock.close()
+                continue
+            sock.setblocking(False)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            nonce = os.urandom(NONCE_BYTES)
+            conn = _Conn(sock, nonce, time.monotonic())
+            self.conns[sock] = conn
+            self.sel.register(sock, selectors.EVENT_READ, "conn")
+            self._send(conn, GREETING + nonce)
+
+    def _evict(self) -> bool:
+        """Drop the oldest connection that has not made a request; False if none."""
+        idle = [c for c in self.conns.values() if not c.member]
+        if not idle:
+            return False
+        self._drop(min(idle, key=lambda c: c.since).sock)
+        return True
+
+    def _pause_accepting(self):
+        if self.accepting:
+            self.sel.unregister(self.sock)
+            self.accepting = False
+        self.resume_at = time.monotonic() + ACCEPT_PAUSE
+
+    def _drop(self, sock, misbehaved: bool = True):
+        conn = self.conns.pop(sock, None)
+        if conn is None:
+            return
+        self.dropped += misbehaved
         try:
-            self.sel.unregister(conn)
+            self.sel.unregister(sock)
         except (KeyError, ValueError):
             pass
-        self.conns.pop(conn, None)
-        self.authed.discard(conn)
-        self.nonce.pop(conn, None)
         self.waiters = [w for w in self.waiters if w.conn is not conn]
-        conn.close()
+        sock.close()
 
-    def _reply(self, conn, status: int, value: bytes = b""):
+    # ------------------------------------------------------------ bytes in and out
+
+    def _send(self, conn: _Conn, data: bytes):
+        if not conn.out:
+            try:
+                n = conn.sock.send(data)
+            except BlockingIOError:
+                n = 0
+            except OSError:
+                self._drop(conn.sock, misbehaved=False)
+                return
+            data = data[n:]
+        conn.out += data
+        if len(conn.out) > MAX_OUT:
+            self._drop(conn.sock)       # it asks and never reads the answers
+        elif conn.out and not conn.events & selectors.EVENT_WRITE:
+            conn.events |= selectors.EVENT_WRITE
+            self.sel.modify(conn.sock, conn.events, "conn")
+
+    def _flush(self, conn: _Conn):
         try:
-            conn.sendall(_REP.pack(status, len(value)) + value)
-        except OSError:
-            self._drop(conn)
-
-    def _read(self, conn):
-        buf = self.conns.get(conn)
-        if buf is None:
+            n = conn.sock.send(conn.out)
+        except BlockingIOError:
             return
+        except OSError:
+            self._drop(conn.sock, misbehaved=False)
+            return
+        del conn.out[:n]
+        if not conn.out:
+            conn.events &= ~selectors.EVENT_WRITE
+            self.sel.modify(conn.sock, conn.events, "conn")
+
+    def _reply(self, conn: _Conn, status: int, value: bytes = b""):
+        if conn.sock in self.conns:
+            self._send(conn, _REP.pack(status, len(value)) + value)
+
+    def _read(self, conn: _Conn):
         try:
-            chunk = conn.recv(1 << 16)
+            chunk = conn.sock.recv(max(1, min(conn.limit() - len(conn.inbuf), 1 << 16)))
+        except BlockingIOError:
+            return
         except OSError:
             chunk = b""
         if not chunk:
-            self._drop(conn)
+            self._drop(conn.sock, misbehaved=False)
             return
-        buf += chunk
-        while len(buf) >= _REQ.size:
-            op, klen, vlen, tmo = _REQ.unpack_from(buf)
-            if klen > _MAX_FRAME or vlen > _MAX_FRAME:
-                self._drop(conn)   # garbage: not one of ours
-                return
-            end = _REQ.size + klen + vlen
-            if len(buf) < end:
-                break
-            key = bytes(buf[_REQ.size:_REQ.size + klen]).decode("utf-8", "replace")
-            value = bytes(buf[_REQ.size + klen:end])
-            del buf[:end]
-            if not self._handle(conn, op, key, value, tmo):
-                return
+        conn.inbuf += chunk
+        buf = conn.inbuf
+        try:
+            while len(buf) >= _REQ.size and conn.sock in self.conns:
+                op, klen, vlen, tmo = _REQ.unpack_from(buf)
+                if not conn.authed and (op != _OP_HELLO or klen or vlen > MAX_HELLO):
+                    raise _BadRequest("a request before HELLO")
+                if klen > MAX_KEY or vlen > MAX_VALUE:
+                    raise _BadRequest(f"a frame of {klen} + {vlen} bytes")
+                end = _REQ.size + klen + vlen
+                if len(buf) < end:
+                    return
+                key = bytes(buf[_REQ.size:_REQ.size + klen]).decode("utf-8")
+                value = bytes(buf[_REQ.size + klen:end])
+                del buf[:end]
+                self._handle(conn, op, key, value, tmo)
+        except (_BadRequest, ValueError, UnicodeDecodeError, OverflowError):
+            self._drop(conn.sock)
 
-    def _handle(self, conn, op, key, value, tmo) -> bool:
+    # ------------------------------------------------------------ requests
+
+    def _handle(self, conn: _Conn, op, key, value, tmo):
         if op == _OP_HELLO:
-            if self.secret and not hmac.compare_digest(value, _auth_token(self.secret, self.nonce[conn])):
-                self._reply(conn, _DENIED)
-                self._drop(conn)
-                return False
-            self.authed.add(conn)
-            self._reply(conn, _OK)
-            return True
-        if conn not in self.authed:
-            self._drop(conn)
-            return False
+            self._hello(conn, value)
+            return
+        conn.member = True
+        if not math.isfinite(tmo) or tmo < 0:
+            raise _BadRequest(f"timeout {tmo}")
+        deadline = time.monotonic() + min(tmo, 1e7)
         if op == _OP_SET:
-            self.data[key] = value
+            self._store(key, value)
             self._reply(conn, _OK)
             self._notify(key)
         elif op == _OP_GET:
             if key in self.data:
                 self._reply(conn, _OK, self.data[key])
             else:
-                self.waiters.append(_Waiter(conn, key, time.monotonic() + tmo))
+                self.waiters.append(_Waiter(conn, key, deadline))
         elif op == _OP_ADD:
-            n = int(self.data.get(key, b"0")) + int(value)
-            self.data[key] = str(n).encode()
+            n = int(self.data.get(key, b"0")) + int(value.decode("ascii"))
+            self._store(key, str(n).encode())
             self._reply(conn, _OK, self.data[key])
             self._notify(key)
         elif op == _OP_ARRIVE:
@@ -208,16 +350,56 @@ class _StoreServer:
             # and answer once ``count`` callers arrived. All answers go out in
             # one pass, so a master that exits right after its own answer cannot
             # strand the others.
-            count, _, caller = value.decode().partition(":")
+            count, _, caller = value.decode("utf-8").partition(":")
+            count = int(count)
             arrived = self.arrived.setdefault(key, set())
-            arrived.add(caller)
-            self.data[key] = str(len(arrived)).encode()
-            self.waiters.append(_Waiter(conn, key, time.monotonic() + tmo, int(count)))
+            if caller not in arrived:
+                self._account(len(caller) + 64)
+                arrived.add(caller)
+            self._store(key, str(len(arrived)).encode())
+            self.waiters.append(_Waiter(conn, key, deadline, count))
             self._notify(key)
         else:
-            self._drop(conn)
-            return False
-        return True
+            raise _BadRequest(f"op {op}")
+
+    def _hello(self, conn: _Conn, value: bytes):
+        """Check the client's proof and job; answer with the store's own proof."""
+        at = len(HELLO_MAGIC)
+        if conn.authed or not value.startswith(HELLO_MAGIC) or len(value) < at + NONCE_BYTES + PROOF_BYTES:
+            raise _BadRequest("a malformed HELLO")
+        their_nonce = value[at:at + NONCE_BYTES]
+        proof = value[at + NONCE_BYTES:at + NONCE_BYTES + PROOF_BYTES]
+        job = value[at + NONCE_BYTES + PROOF_BYTES:]
+        if self.secret and not hmac.compare_digest(
+                proof, _proof(self.secret, b"client", conn.nonce, their_nonce, job)):
+            self._reply(conn, _DENIED, b"secret")
+            self._close_after_reply(conn)
+            return
+        if job and self.job and job != self.job:
+            self._reply(conn, _DENIED, b"job:" + self.job)
+            self._close_after_reply(conn)
+            return
+        conn.authed = True
+        self._reply(conn, _OK, _proof(self.secret, b"store", their_nonce, conn.nonce, job))
+
+    def _close_after_reply(self, conn: _Conn):
+        """Refused: send the refusal (best effort, never blocking), then close."""
+        try:
+            conn.sock.send(conn.out)
+        except OSError:
+            pass
+        conn.out = bytearray()
+        self._drop(conn.sock)
+
+    def _account(self, nbytes: int):
+        if self.data_bytes + nbytes > MAX_DATA:
+            raise _BadRequest("the store is full")
+        self.data_bytes += nbytes
+
+    def _store(self, key: str, value: bytes):
+        old = self.data.get(key)
+        self._account(len(key) + len(value) - (len(key) + len(old) if old is not None else 0))
+        self.data[key] = value
 
     def _notify(self, key):
         ready = [w for w in self.waiters if w.key == key and w.ready(self.data)]
@@ -233,20 +415,34 @@ class _StoreServer:
             self.waiters = [w for w in self.waiters if w.deadline > now]
             for w in late:
                 self._reply(w.conn, _TIMEOUT)
+        for c in [c for c in self.conns.values() if not c.member and c.since + HELLO_SECONDS <= now]:
+            self._drop(c.sock)       # never authenticated, or never asked anything
+        if not self.accepting and now >= self.resume_at:
+            self.sel.register(self.sock, selectors.EVENT_READ, "accept")
+            self.accepting = True
 
 
 class TCPStore:
-    """Key-value store over TCP; the master process also serves it."""
+    """Key-value store over TCP; the master process also serves it.
+
+    Both ends authenticate: the client proves ``SHMDIST_SECRET`` (HMAC of the
+    store's nonce) and the store proves it back (HMAC of the client's nonce),
+    so a process that bound the port first learns nothing; the client sends
+    it nothing but its HELLO. Both also name their job (``job_identity``),
+    and a store refuses a rank of another job.
+    """
 
     def __init__(self, host: str, port: int, *, is_master: bool, timeout: float,
-                 scheme: str = "tcp://", secret: str | None = None):
+                 scheme: str = "tcp://", secret: str | None = None, job: str | None = None):
         self.host, self.port, self.timeout = host, port, timeout
         self.scheme = scheme
         self.secret = secret if secret is not None else os.environ.get(SECRET_ENV) or None
+        self.job = job_identity() if job is None else job
         self.server = None
+        self.sock = None
         self.lock = threading.Lock()
         if is_master:
-            self.server = _StoreServer(self._listen(host, port), self.secret)
+            self.server = _StoreServer(self._listen(host, port), self.secret, self.job)
             self.server.start()
             self.port = self.server.sock.getsockname()[1]
         try:
@@ -276,51 +472,95 @@ class TCPStore:
         raise DistError(f"Error initializing shmdist using {self.scheme} rendezvous: cannot listen on "
                         f"{host}:{port}: {last}") from last
 
+    def _fail(self, what: str) -> DistError:
+        return DistError(f"Error initializing shmdist using {self.scheme} rendezvous: {what}")
+
     def _connect(self, timeout) -> socket.socket:
         deadline = time.monotonic() + timeout
         delay = 0.01
         last = None
         while True:
+            s = None
             try:
                 s = socket.create_connection((self.host, self.port), timeout=max(0.1, deadline - time.monotonic()))
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                s.settimeout(max(0.1, min(deadline - time.monotonic(), HELLO_SECONDS)))
+                self._hello(s)
                 s.settimeout(None)
-                nonce = recv_exact(s, 16)
-                token = _auth_token(self.secret, nonce) if self.secret else b""
-                status, _ = self._request_on(s, _OP_HELLO, "", token, 0.0)
-                if status == _DENIED:
-                    s.close()
-                    raise DistError(
-                        f"Error initializing shmdist using {self.scheme} rendezvous: the store at "
-                        f"{self.host}:{self.port} refused this process's {SECRET_ENV}; set the same "
-                        "secret in every rank")
                 return s
+            except DistError:
+                if s is not None:
+                    s.close()
+                raise
             except (OSError, ConnectionError) as e:
+                if s is not None:
+                    s.close()
                 last = e
             if time.monotonic() + delay > deadline:
+                trouble = self.hint()
                 raise DistTimeoutError(
                     f"Error initializing shmdist using {self.scheme} rendezvous: could not reach the "
-                    f"master at {self.host}:{self.port} within {timeout:g} s ({last}); check that rank 0 "
-                    "is running and that MASTER_ADDR / MASTER_PORT point to it")
+                    f"master at {self.host}:{self.port} within {timeout:g} s ({last}); "
+                    + (f"{trouble}" if trouble else "check that rank 0 is running and that MASTER_ADDR / "
+                       "MASTER_PORT point to it"))
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
+
+    def _hello(self, s: socket.socket) -> None:
+        """Authenticate both ways on a new connection, or raise DistError."""
+        where = f"{self.host}:{self.port}"
+        greeting = recv_exact(s, len(GREETING) + NONCE_BYTES)
+        if not greeting.startswith(GREETING):
+            raise self._fail(f"what answers at {where} is not a shmdist store (it sent {greeting[:8]!r}); "
+                             "check MASTER_ADDR / MASTER_PORT")
+        theirs, mine, job = greeting[len(GREETING):], os.urandom(NONCE_BYTES), self.job.encode()
+        hello = HELLO_MAGIC + mine + _proof(self.secret, b"client", theirs, mine, job) + job
+        status, value = self._request_on(s, _OP_HELLO, "", hello, 0.0)
+        if status == _DENIED and value == b"secret":
+            raise self._fail(f"the store at {where} refused this process's {SECRET_ENV}; set the same "
+                             "secret in every rank")
+        if status == _DENIED and value.startswith(b"job:"):
+            other = value[4:].decode(errors="replace")
+            raise self._fail(f"the store at {where} serves job '{other}', this rank belongs to job "
+                             f"'{self.job}' ({JOB_ENV} / TORCHELASTIC_RUN_ID); two jobs were given the "
+                             "same master port: give each job its own")
+        if status != _OK:
+            raise self._fail(f"the store at {where} answered HELLO with status {status}")
+        if self.secret and not hmac.compare_digest(value, _proof(self.secret, b"store", mine, theirs, job)):
+            raise self._fail(f"the server at {where} could not prove {SECRET_ENV}: it is not this job's store "
+                             "(another process may have bound the port first). This rank sent it nothing "
+                             "but its own proof; check MASTER_ADDR / MASTER_PORT and who listens there")
 
     @staticmethod
     def _request_on(sock, op, key, value, tmo):
         k = key.encode()
         sock.sendall(_REQ.pack(op, len(k), len(value), tmo) + k + value)
         status, n = _REP.unpack(recv_exact(sock, _REP.size))
+        if n > MAX_VALUE:
+            raise ConnectionError(f"the store announced a reply of {n} bytes, more than any it sends")
         return status, (recv_exact(sock, n) if n else b"")
 
     def _request(self, op, key, value=b"", tmo=0.0):
+        from shmdist.errors import DistPeerError
         with self.lock:
+            if self.sock is None:
+                raise DistPeerError(f"rendezvous store at {self.host}:{self.port} is closed for this rank "
+                                    f"(a request before '{key}' failed)")
+            self.sock.settimeout(tmo + min(self.timeout, 60.0))   # a store that never answers
             try:
                 return self._request_on(self.sock, op, key, value, tmo)
+            except socket.timeout as e:
+                self.sock.close()
+                self.sock = None        # a late answer would be taken for the next one's
+                raise DistTimeoutError(
+                    f"rendezvous store at {self.host}:{self.port} did not answer '{key}' within "
+                    f"{tmo + min(self.timeout, 60.0):g} s; rank 0, which serves it, is stuck or is not "
+                    "this job's store") from e
             except (OSError, ConnectionError) as e:
-                from shmdist.errors import DistPeerError
                 raise DistPeerError(
                     f"rendezvous store at {self.host}:{self.port} went away during '{key}' ({e}); "
                     "rank 0, which serves it, has probably exited") from e
+
 
     def set(self, key: str, value: bytes) -> None:
         self._request(_OP_SET, key, bytes(value))
@@ -489,8 +729,10 @@ def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
+    except OSError:
+        return True   # EMFILE and the like say nothing about the process: kill(0) found it
 
 
 class WatchedStore:

@@ -488,7 +488,7 @@ def test_the_store_refuses_a_client_without_the_secret():
         good.close()
         import socket
         with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:   # skips the handshake
-            raw.recv(16)
+            rendezvous.recv_exact(raw, len(rendezvous.GREETING) + rendezvous.NONCE_BYTES)
             raw.sendall(rendezvous._REQ.pack(rendezvous._OP_GET, 1, 0, 1.0) + b"k")
             assert raw.recv(64) == b"", "an unauthenticated request must get nothing but a closed socket"
     finally:
