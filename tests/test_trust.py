@@ -1,0 +1,170 @@
+"""Trust: who a rank talks to and what it maps must be its own job's.
+
+- A process that binds the master port before rank 0 (a fake store) gets
+  nothing from a rank that has SHMDIST_SECRET: the store must prove the
+  secret back, and the rank sends nothing but its HELLO before it did.
+- The same holds on the data ports: a fake listener that cannot prove the
+  secret never receives the connecting rank's proof, let alone data.
+- A rank of another job (SHMDIST_JOB_ID / TORCHELASTIC_RUN_ID) is refused
+  by the store, naming both jobs.
+- What memory_usage() reports is what the rank really maps (the memfd
+  mappings in /proc/self/maps).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+import shmdist as dist
+from shmdist import rendezvous, tcp
+from shmdist.errors import DistPeerError
+
+
+class FakeStore:
+    """Binds a port first and plays the store: greets, says OK to any HELLO
+    (with a made-up proof), and records every byte a client sends."""
+
+    def __init__(self, greeting: bytes | None = None):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.greeting = greeting
+        self.received = bytearray()
+        self.hello_frames = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        self.listener.settimeout(10)
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(3)
+            conn.sendall(self.greeting if self.greeting is not None
+                         else rendezvous.GREETING + os.urandom(rendezvous.NONCE_BYTES))
+            try:
+                head = rendezvous.recv_exact(conn, rendezvous._REQ.size)
+                op, klen, vlen, _ = rendezvous._REQ.unpack(head)
+                rendezvous.recv_exact(conn, klen + vlen)
+                self.hello_frames += op == rendezvous._OP_HELLO
+                conn.sendall(rendezvous._REP.pack(rendezvous._OK, 32) + os.urandom(32))
+                while True:                      # whatever comes next is what the fake steals
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    self.received += chunk
+            except OSError:
+                return
+
+    def close(self):
+        self.listener.close()
+        self.thread.join(10)
+
+
+def test_a_fake_store_that_bound_the_port_first_gets_nothing(monkeypatch):
+    monkeypatch.setenv("SHMDIST_SECRET", "s3cret")
+    fake = FakeStore()
+    try:
+        start = time.monotonic()
+        with pytest.raises(dist.DistError, match="could not prove SHMDIST_SECRET: it is not this job's store"):
+            dist.init_process_group("shm", f"tcp://127.0.0.1:{fake.port}", rank=1, world_size=2, timeout=5)
+        took = time.monotonic() - start
+    finally:
+        fake.close()
+    print(f"\nTRUST fake store: refused after {took:.3f} s; it received {len(fake.received)} bytes after HELLO")
+    assert fake.hello_frames == 1
+    assert bytes(fake.received) == b"", "the rank sent the fake store requests after its HELLO"
+    assert not dist.is_initialized()
+    assert took < 5
+
+
+def test_something_else_on_the_master_port_is_named(monkeypatch):
+    fake = FakeStore(greeting=b"HTTP/1.1 400 Bad Request\r\n\r\n")
+    try:
+        with pytest.raises(dist.DistError, match="is not a shmdist store"):
+            dist.init_process_group("shm", f"tcp://127.0.0.1:{fake.port}", rank=1, world_size=2, timeout=5)
+    finally:
+        fake.close()
+
+
+def test_a_fake_data_port_listener_never_gets_the_ranks_proof():
+    """The listener answers the HELLO like rank 0 of this job would (it may
+    know the job digest from a fake store) but cannot prove the secret."""
+    job = tcp.job_digest(["test"])
+    listener = socket.create_server(("127.0.0.1", 0))
+    got = bytearray()
+
+    def fake_rank0():
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(3)
+            hello = rendezvous.recv_exact(conn, tcp.HELLO.size)
+            got.extend(hello)
+            conn.sendall(tcp.HELLO.pack(tcp.HELLO_MAGIC, tcp.VERSION, 0, 0, os.urandom(16), job)
+                         + os.urandom(tcp.PROOF_BYTES))
+            try:
+                while True:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    got.extend(chunk)
+            except OSError:
+                pass
+    thread = threading.Thread(target=fake_rank0, daemon=True)
+    thread.start()
+    t = tcp.Transport.__new__(tcp.Transport)
+    t.rank, t.secret = 1, "s3cret"
+    try:
+        with pytest.raises(DistPeerError, match="failed the SHMDIST_SECRET check"):
+            t._connect(0, listener.getsockname(), job, time.monotonic() + 5, "rank 1: init_process_group")
+    finally:
+        thread.join(10)
+        listener.close()
+    assert len(got) == tcp.HELLO.size, f"the rank sent {len(got) - tcp.HELLO.size} bytes beyond its HELLO"
+
+
+def test_a_rank_of_another_job_is_refused_by_the_store():
+    master = rendezvous.TCPStore("127.0.0.1", 0, is_master=True, timeout=5, job="job-A")
+    try:
+        with pytest.raises(dist.DistError, match="serves job 'job-A', this rank belongs to job 'job-B'"):
+            rendezvous.TCPStore("127.0.0.1", master.port, is_master=False, timeout=5, job="job-B")
+        same = rendezvous.TCPStore("127.0.0.1", master.port, is_master=False, timeout=5, job="job-A")
+        same.set("k", b"v")
+        assert master.get("k", 1) == b"v"
+        same.close()
+    finally:
+        master.close()
+
+
+def test_torchrun_run_id_is_a_job_identity(monkeypatch):
+    monkeypatch.delenv("SHMDIST_JOB_ID")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-7")
+    assert rendezvous.job_identity() == "run-7"
+    monkeypatch.setenv("SHMDIST_JOB_ID", "job-1")
+    assert rendezvous.job_identity() == "job-1"
+
+
+def maps_what_it_reports(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    dist.new_group([0, 1])
+    dist.barrier()
+    mapped = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/memfd:shmdist " in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                mapped += hi - lo
+    usage = dist.memory_usage()
+    dist.destroy_process_group()
+    return usage["total_mapped"], mapped
+
+
+def test_memory_usage_matches_the_mappings(run_ranks):
+    for rank, (reported, mapped) in enumerate(run_ranks(maps_what_it_reports, 3, timeout=60)):
+        print(f"\nTRUST rank {rank}: memory_usage {reported} B, /proc/self/maps {mapped} B")
+        assert reported == mapped > 0
