@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import math
 import os
+import resource
 import selectors
 import socket
 import struct
@@ -39,7 +40,7 @@ MAX_KEY = 4096                   # every key and value the ranks store is far sm
 MAX_VALUE = 1 << 20
 MAX_DATA = 64 << 20              # bytes all keys and values together may hold
 MAX_OUT = 4 << 20                # replies queued for a client that does not read them
-MAX_CONNS = 4096                 # open connections the store keeps at most
+MAX_CONNS = 4096                 # open connections the store keeps at most (and half the fd limit)
 HELLO_SECONDS = 10.0             # a connection must authenticate and ask something within this
 ACCEPT_PAUSE = 0.1               # seconds the store stops accepting when out of descriptors
 
@@ -135,6 +136,8 @@ class _StoreServer:
         self.sel = selectors.DefaultSelector()
         self.trouble = ""      # why ranks may fail to reach this store, for the timeout messages
         self.dropped = 0       # connections closed for misbehaving (tests read it)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_conns = MAX_CONNS if soft == resource.RLIM_INFINITY else max(16, min(MAX_CONNS, soft // 2))
         self.accepting = True
         self.resume_at = 0.0
         self.stop = threading.Event()
@@ -216,7 +219,9 @@ class _StoreServer:
                     if not self._evict():
                         self._pause_accepting()
                 return
-            if len(self.conns) >= MAX_CONNS and not self._evict():
+            if len(self.conns) >= self.max_conns and not self._evict():
+                self.trouble = (f"the store on rank 0 holds {len(self.conns)} connections, as many as half "
+                                "its open-files limit allows; raise the limit (ulimit -n)")
                 sock.close()
                 continue
             sock.setblocking(False)
@@ -231,8 +236,10 @@ class _StoreServer:
             self._send(conn, GREETING + nonce)
 
     def _evict(self) -> bool:
-        """Drop the oldest connection that has not made a request; False if none."""
-        idle = [c for c in self.conns.values() if not c.member]
+        """Drop the oldest connection that has not authenticated, else the
+        oldest that has not made a request yet; False if none."""
+        idle = ([c for c in self.conns.values() if not c.authed]
+                or [c for c in self.conns.values() if not c.member])
         if not idle:
             return False
         self._drop(min(idle, key=lambda c: c.since).sock)
