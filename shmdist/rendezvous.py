@@ -16,6 +16,7 @@ import os
 import resource
 import selectors
 import socket
+import stat
 import struct
 import threading
 import time
@@ -67,11 +68,14 @@ def _proof(secret: str | None, role: bytes, first: bytes, second: bytes, job: by
 
 def job_identity() -> str:
     """The job this process belongs to, if its launcher said: SHMDIST_JOB_ID
-    (shmdist-run sets it), else torchrun's TORCHELASTIC_RUN_ID; "" if none."""
+    (shmdist-run sets it), else torchrun's TORCHELASTIC_RUN_ID, else Slurm's
+    job and step ids; "" if none."""
     for name in (JOB_ENV, "TORCHELASTIC_RUN_ID"):
         value = os.environ.get(name, "")
         if value and value != "none":
             return value[:MAX_JOB_ID]
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID"):   # srun: one job step
+        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"[:MAX_JOB_ID]
     return ""
 
 
@@ -614,17 +618,79 @@ class TCPStore:
 
 class FileStore:
     """A store in one file, for ``file://`` rendezvous: append-only records
-    under an fcntl lock. The file is removed by the last rank to close."""
+    under an fcntl lock. The file is removed by the last rank to close.
 
-    def __init__(self, path: str, world_size: int, timeout: float):
+    The file is opened without following a symlink, and used only if it is
+    a regular file of this user with mode 0600 whose first record says it
+    is a shmdist store; with ``SHMDIST_SECRET`` set, its second record must
+    prove the same secret, and with a job identity, its third must name the
+    same job. The first rank to open an empty file writes those records.
+    """
+
+    MAGIC = "__shmdist_store__"
+
+    def __init__(self, path: str, world_size: int, timeout: float, secret: str | None = None,
+                 job: str | None = None):
         self.path, self.world_size, self.timeout = path, world_size, timeout
+        self.secret = secret if secret is not None else os.environ.get(SECRET_ENV) or None
+        self.job = job_identity() if job is None else job
+        self.closed = True
         try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
         except OSError as e:
-            raise DistError(f"Error initializing shmdist using file:// rendezvous: cannot open {path}: "
-                            f"{e}; use a path in a writable directory that every rank sees") from e
+            if e.errno == errno.ELOOP:
+                raise self._fail("it is a symbolic link; file:// follows none (someone may have planted "
+                                 "it): use a path in a directory only you can write") from e
+            raise self._fail(f"cannot open it ({e.strerror}); use a path in a writable directory that "
+                             "every rank sees") from e
+        try:
+            os.set_blocking(self.fd, True)
+            st = os.fstat(self.fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._fail("it is not a regular file")
+            if st.st_uid != os.geteuid():
+                raise self._fail(f"it belongs to uid {st.st_uid}, not to this process's uid {os.geteuid()}; "
+                                 "someone else made it: remove it or use another path")
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                raise self._fail(f"its mode is {oct(stat.S_IMODE(st.st_mode))}; a store file must be 0600 "
+                                 "(others could read or change the rendezvous): remove it or use another path")
+            self._check_or_stamp()
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.closed = False
         self.add("__users__", 1)
+
+    def _fail(self, why: str) -> DistError:
+        return DistError(f"Error initializing shmdist using file:// rendezvous: {self.path}: {why}")
+
+    def _check_or_stamp(self) -> None:
+        salt_proof = lambda salt: _proof(self.secret, b"file", salt, b"", b"")   # noqa: E731
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            recs = self._records()
+            if not recs:
+                salt = os.urandom(NONCE_BYTES)
+                self._append(self.MAGIC, b"1")
+                self._append("__auth__", salt + salt_proof(salt) if self.secret else b"")
+                self._append("__job__", self.job.encode())
+                return
+            if recs.get(self.MAGIC) != b"1":
+                raise self._fail("it is not a shmdist store file; use a fresh path")
+            auth = recs.get("__auth__", b"")
+            if self.secret and not (len(auth) == NONCE_BYTES + PROOF_BYTES and hmac.compare_digest(
+                    auth[NONCE_BYTES:], salt_proof(auth[:NONCE_BYTES]))):
+                raise self._fail(f"it was made by a rank with another {SECRET_ENV} (or none); set the same "
+                                 "secret in every rank")
+            if not self.secret and auth:
+                raise self._fail(f"it was made by a rank with {SECRET_ENV} set; set the same secret in "
+                                 "every rank")
+            theirs = recs.get("__job__", b"").decode(errors="replace")
+            if theirs and self.job and theirs != self.job:
+                raise self._fail(f"it belongs to job '{theirs}', this rank to job '{self.job}' ({JOB_ENV} / "
+                                 "TORCHELASTIC_RUN_ID); two jobs were given the same file: give each its own")
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def _records(self) -> dict[str, bytes]:
         os.lseek(self.fd, 0, os.SEEK_SET)
@@ -635,9 +701,15 @@ class FileStore:
                 break
             raw += chunk
         out: dict[str, bytes] = {}
-        for line in raw.splitlines():
-            k, _, v = line.partition(b"\t")
-            out[bytes.fromhex(k.decode()).decode()] = bytes.fromhex(v.decode())
+        for n, line in enumerate(raw.splitlines(), 1):
+            k, sep, v = line.partition(b"\t")
+            try:
+                if not sep:
+                    raise ValueError("no tab")
+                out[bytes.fromhex(k.decode("ascii")).decode()] = bytes.fromhex(v.decode("ascii"))
+            except (ValueError, UnicodeDecodeError):
+                raise self._fail(f"line {n} is not a store record: it is not a shmdist store file, or "
+                                 "something else wrote to it; use a fresh path") from None
         return out
 
     def _append(self, key, value):

@@ -114,6 +114,10 @@ class Job:
         self.a = a
         inherited = os.environ.get(JOB_ENV)   # a launcher inside a test or another job: nest its id
         self.job_id = f"{inherited}-{secrets.token_hex(6)}" if inherited else secrets.token_hex(6)
+        if a.nnodes > 1:
+            # Every host's launcher must give the same id (the store refuses ranks of another
+            # job): the one the user set for all of them, or none.
+            self.job_id = inherited or ""
         self.port = a.master_port or _free_port()
         self.procs: dict[int, subprocess.Popen] = {}   # global rank -> its process
         self.copiers: list[threading.Thread] = []
@@ -126,7 +130,10 @@ class Job:
         env.update(RANK=str(a.node_rank * a.nproc + local_rank), WORLD_SIZE=str(a.nnodes * a.nproc),
                    LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(a.nproc),
                    MASTER_ADDR=a.master_addr, MASTER_PORT=str(self.port))
-        env[JOB_ENV] = self.job_id
+        if self.job_id:
+            env[JOB_ENV] = self.job_id
+        else:
+            env.pop(JOB_ENV, None)
         if a.nproc > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
         if a.prefix:

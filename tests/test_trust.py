@@ -168,3 +168,146 @@ def test_memory_usage_matches_the_mappings(run_ranks):
     for rank, (reported, mapped) in enumerate(run_ranks(maps_what_it_reports, 3, timeout=60)):
         print(f"\nTRUST rank {rank}: memory_usage {reported} B, /proc/self/maps {mapped} B")
         assert reported == mapped > 0
+
+
+# ---------------------------------------------------------------- jobs never merge
+
+def member_of(rank, world_size, init_method, job, letter, flag_dir):
+    """A rank of job ``letter`` with SHMDIST_JOB_ID ``job`` (None: no identity)."""
+    import numpy as np
+    if job is None:
+        os.environ.pop("SHMDIST_JOB_ID", None)
+    else:
+        os.environ["SHMDIST_JOB_ID"] = job
+    if flag_dir == "slow":
+        from shmdist import group
+        real = group._open_collectives
+
+        def slow(*a, **k):
+            time.sleep(1.5)             # set-up takes long: a second claim arrives meanwhile
+            return real(*a, **k)
+        group._open_collectives = slow
+    try:
+        dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=8)
+    except dist.DistError as e:
+        return "error", str(e)
+    t = np.full(4, ord(letter), dtype=np.int64)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return "ok", "".join("A" if v == 2 * ord("A") else "B" if v == 2 * ord("B") else "?" for v in t)
+
+
+def _start_in_order(run_ranks, port, plan, tmp_path):
+    """Start the ranks of ``plan`` (rank, job id, letter) one after the other,
+    0.3 s apart, on one master port; return each outcome."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = []
+    for i, (rank, job, letter, *how) in enumerate(plan):
+        p = ctx.Process(target=_one, args=(out, i, rank, port, job, letter, how[0] if how else ""))
+        p.start()
+        procs.append(p)
+        time.sleep(0.3)
+    results = {}
+    deadline = time.monotonic() + 60
+    while len(results) < len(plan) and time.monotonic() < deadline:
+        try:
+            i, res = out.get(timeout=1)
+            results[i] = res
+        except Exception:       # noqa: BLE001 - queue.Empty: keep waiting until the deadline
+            pass
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [results.get(i, ("hung", "")) for i in range(len(plan))]
+
+
+def _one(out, i, rank, port, job, letter, flag_dir):
+    try:
+        out.put((i, member_of(rank, 2, f"tcp://127.0.0.1:{port}", job, letter, flag_dir)))
+    except Exception as e:      # noqa: BLE001 - reported to the test
+        out.put((i, ("raised", f"{type(e).__name__}: {e}")))
+
+
+def test_two_jobs_with_identities_on_one_port_never_merge(tmp_path):
+    """A0, B1, B0, A1 on one port, each job with its own SHMDIST_JOB_ID: B1
+    is refused by A's store naming both jobs, B0 cannot bind, A finishes."""
+    from ranks import free_port
+    port = free_port()
+    a0, b1, b0, a1 = _start_in_order(None, port, [(0, "job-A", "A"), (1, "job-B", "B"),
+                                                  (0, "job-B", "B"), (1, "job-A", "A")], tmp_path)
+    print(f"\nTRUST two jobs, one port: A0 {a0}\n  B1 {b1}\n  B0 {b0}\n  A1 {a1}")
+    assert a0 == a1 == ("ok", "AAAA"), "job A must finish with its own data (A + A in every element)"
+    assert b1[0] == "error" and "serves job 'job-A', this rank belongs to job 'job-B'" in b1[1]
+    assert b0[0] == "error" and "already in use" in b0[1]
+
+
+def test_a_rank_claimed_twice_fails_every_rank_involved(tmp_path):
+    """Without any job identity: A0 and B1 meet; while they set up, A1
+    claims rank 1 again. A1 fails ("already claimed"), and so do A0 and B1
+    ("claimed twice"): no rank goes on with ranks that may be another job's.
+
+    (Two jobs that use one port strictly one after the other cannot be told
+    apart without an identity; shmdist-run and torchrun always set one.)"""
+    from ranks import free_port
+    port = free_port()
+    a0, b1, a1 = _start_in_order(None, port, [(0, None, "A", "slow"), (1, None, "B", "slow"),
+                                              (1, None, "A")], tmp_path)
+    print(f"\nTRUST rank 1 claimed twice: A0 {a0}\n  B1 {b1}\n  A1 {a1}")
+    assert a1[0] == "error" and "rank 1 is already claimed by another process" in a1[1], a1
+    for res in (a0, b1):
+        assert res[0] == "error" and "claimed twice: two jobs were started with the same init_method" in res[1], res
+
+
+# ---------------------------------------------------------------- file://
+
+def test_file_store_refuses_a_symlink(tmp_path):
+    target = tmp_path / "elsewhere"
+    link = tmp_path / "store"
+    link.symlink_to(target)
+    with pytest.raises(dist.DistError, match="symbolic link"):
+        rendezvous.FileStore(str(link), 1, 5)
+    assert not target.exists(), "the store created a file where the link pointed"
+
+
+def test_file_store_refuses_a_file_of_another_user_or_readable_by_others(tmp_path):
+    path = tmp_path / "store"
+    path.write_bytes(b"")
+    os.chmod(path, 0o644)
+    with pytest.raises(dist.DistError, match="mode is 0o644"):
+        rendezvous.FileStore(str(path), 1, 5)
+    if os.geteuid() == 0:
+        os.chmod(path, 0o600)
+        os.chown(path, 65534, 65534)
+        with pytest.raises(dist.DistError, match="belongs to uid 65534"):
+            rendezvous.FileStore(str(path), 1, 5)
+
+
+def test_file_store_refuses_a_file_that_is_not_a_store(tmp_path):
+    path = tmp_path / "store"
+    path.write_bytes(b"hello world\n")
+    os.chmod(path, 0o600)
+    with pytest.raises(dist.DistError, match="line 1 is not a store record"):
+        rendezvous.FileStore(str(path), 1, 5)
+
+
+def test_file_store_applies_the_secret_and_the_job(tmp_path):
+    path = str(tmp_path / "store")
+    first = rendezvous.FileStore(path, 2, 5, secret="s3cret", job="job-A")
+    try:
+        with pytest.raises(dist.DistError, match="another SHMDIST_SECRET"):
+            rendezvous.FileStore(path, 2, 5, secret="other", job="job-A")
+        with pytest.raises(dist.DistError, match="with SHMDIST_SECRET set"):
+            rendezvous.FileStore(path, 2, 5, secret="", job="job-A")
+        with pytest.raises(dist.DistError, match="belongs to job 'job-A', this rank to job 'job-B'"):
+            rendezvous.FileStore(path, 2, 5, secret="s3cret", job="job-B")
+        second = rendezvous.FileStore(path, 2, 5, secret="s3cret", job="job-A")
+        second.set("k", b"v")
+        assert first.get("k", 1) == b"v"
+        second.close()
+    finally:
+        first.close()
+    assert not os.path.exists(path)
