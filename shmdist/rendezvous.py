@@ -27,7 +27,7 @@ from shmdist.errors import DistError, DistTimeoutError
 SECRET_ENV = "SHMDIST_SECRET"
 JOB_ENV = "SHMDIST_JOB_ID"       # set by shmdist-run; ranks of one job must agree on it
 
-_OP_SET, _OP_GET, _OP_ADD, _OP_HELLO, _OP_ARRIVE = range(1, 6)
+_OP_SET, _OP_GET, _OP_ADD, _OP_HELLO, _OP_ARRIVE, _OP_OWN, _OP_BYE = range(1, 8)
 _OK, _TIMEOUT, _DENIED = range(3)
 _REQ = struct.Struct("<BIQd")   # op, key length, value length, timeout seconds
 _REP = struct.Struct("<BQ")      # status, value length
@@ -101,7 +101,7 @@ class _BadRequest(Exception):
 
 class _Conn:
     """One client connection: what it sent and what it still has to be sent."""
-    __slots__ = ("sock", "inbuf", "out", "nonce", "authed", "member", "since", "events")
+    __slots__ = ("sock", "inbuf", "out", "nonce", "authed", "member", "since", "events", "owner")
 
     def __init__(self, sock: socket.socket, nonce: bytes, now: float):
         self.sock, self.nonce, self.since = sock, nonce, now
@@ -110,6 +110,7 @@ class _Conn:
         self.authed = False     # proved the secret (or said HELLO, without one)
         self.member = False     # made a request after HELLO: a rank's connection
         self.events = selectors.EVENT_READ
+        self.owner = None       # (key, label): appended to key if it closes without BYE
 
     def limit(self) -> int:
         """Bytes of one frame this connection may send now."""
@@ -260,6 +261,11 @@ class _StoreServer:
         if conn is None:
             return
         self.dropped += misbehaved
+        if conn.owner is not None:      # a rank's connection closed without goodbye: it died
+            key, label = conn.owner
+            old = self.data.get(key, b"")
+            if len(old) < MAX_VALUE // 2:
+                self.data[key] = old + label + b";"
         try:
             self.sel.unregister(sock)
         except (KeyError, ValueError):
@@ -370,6 +376,15 @@ class _StoreServer:
             self._store(key, str(len(arrived)).encode())
             self.waiters.append(_Waiter(conn, key, deadline, count))
             self._notify(key)
+        elif op == _OP_OWN:
+            # "if this connection closes without BYE, append ``value`` to ``key``":
+            # how the others learn at once that a rank died during set-up
+            if len(value) > 256:
+                raise _BadRequest("an OWN label too long")
+            conn.owner = (key, value)
+            self._reply(conn, _OK)
+        elif op == _OP_BYE:
+            conn.owner = None           # no reply: the client closes right after
         else:
             raise _BadRequest(f"op {op}")
 
@@ -591,6 +606,11 @@ class TCPStore:
         """What the master's server saw go wrong, if anything."""
         return self.server.trouble if self.server is not None else ""
 
+    def own(self, key: str, label: str) -> None:
+        """Should this connection close without ``close()`` (the process
+        crashed or was killed), the store appends ``label;`` to ``key``."""
+        self._request(_OP_OWN, key, label.encode()[:256])
+
     def arrive(self, key: str, count: int, timeout: float | None = None, caller: str = "") -> None:
         """Barrier: return once ``count`` callers arrived at ``key``. A caller
         that asks again (after a timeout) is counted once."""
@@ -606,6 +626,11 @@ class TCPStore:
         other ranks can still read why and fail with the real cause)."""
         sock = getattr(self, "sock", None)
         if sock is not None:
+            try:
+                sock.settimeout(0.5)
+                sock.sendall(_REQ.pack(_OP_BYE, 0, 0, 0.0))   # a goodbye: this rank did not die
+            except OSError:
+                pass
             sock.close()
             self.sock = None
         if self.server is not None:
@@ -785,6 +810,12 @@ class PrefixStore:
     def hint(self) -> str:
         return self.store.hint() if hasattr(self.store, "hint") else ""
 
+    def own(self, key, label) -> bool:
+        """As TCPStore.own, under the prefix; False where the store cannot."""
+        if not hasattr(self.store, "own"):
+            return False
+        return self.store.own(self.prefix + key, label) is not False
+
 
 def arrive(store, key: str, count: int, timeout: float | None = None, caller: str = "") -> None:
     """Barrier of ``count`` processes on any store: one request where the store
@@ -820,10 +851,13 @@ class WatchedStore:
     dies during set-up is named at once instead of after the timeout."""
 
     SLICE = 0.25
+    DEPARTED = "departed"     # the store appends "rank R (pid P);" when R's connection drops
 
     def __init__(self, store, rank: int, timeout: float, op: str = "init_process_group"):
         self.store, self.rank, self.timeout, self.op = store, rank, timeout, op
         self.peers: dict[int, int] = {}     # rank -> pid, of ranks on this host
+        own = getattr(store, "own", None)
+        self.owned = bool(own and own(self.DEPARTED, f"rank {rank} (pid {os.getpid()})"))
 
     def set(self, key, value):
         self.store.set(key, value)
@@ -846,6 +880,25 @@ class WatchedStore:
                 raise DistPeerError(
                     f"rank {self.rank}: {self.op}: rank {r} (pid {pid}) died while the job was being "
                     f"set up (this rank waited for '{key}'); restart the job") from None
+        gone = self.departed()
+        if gone:
+            raise self._died(gone, key)
+
+    def departed(self) -> str:
+        """Who closed their store connection without leaving ("" if no one, or unknown)."""
+        if not self.owned:
+            return ""
+        try:
+            return self.store.get(self.DEPARTED, 0.0).decode(errors="replace").rstrip(";")
+        except DistError:
+            return ""
+
+    def _died(self, gone: str, key: str):
+        from shmdist.errors import DistPeerError
+        return DistPeerError(
+            f"rank {self.rank}: {self.op}: {gone.replace(';', ', ')} closed its connection to the rendezvous "
+            f"store without leaving (it crashed or was killed) while the job was being set up (this rank "
+            f"waited for '{key}'); restart the job")
 
     def _sliced(self, call, key, timeout):
         total = self.timeout if timeout is None else timeout
@@ -854,7 +907,15 @@ class WatchedStore:
             try:
                 return call(min(self.SLICE, max(0.01, deadline - time.monotonic())))
             except DistTimeoutError:
-                self.check(key)
+                for r, pid in self.peers.items():
+                    if not pid_alive(pid):
+                        self.check(key)           # names it
+                gone = self.departed()
+                if gone:
+                    try:
+                        return call(0.05)         # it may have left after this very wait completed
+                    except DistTimeoutError:
+                        raise self._died(gone, key) from None
                 if time.monotonic() >= deadline:
                     hint = self.store.hint() if hasattr(self.store, "hint") else ""
                     raise DistTimeoutError(

@@ -311,3 +311,41 @@ def test_file_store_applies_the_secret_and_the_job(tmp_path):
     finally:
         first.close()
     assert not os.path.exists(path)
+
+
+# ---------------------------------------------------------------- death during rendezvous
+
+def dies_before_publishing(rank, world_size, init_method, victim):
+    """The victim is SIGKILLed right after it claimed its rank, before it
+    published its info: no pid of it is known to anyone yet."""
+    import signal
+    from shmdist import rendezvous as rv
+    if rank == victim:
+        real_set = rv.PrefixStore.set
+
+        def set_(self, key, value):
+            if key.startswith("info/"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_set(self, key, value)
+        rv.PrefixStore.set = set_
+    else:
+        time.sleep(0.5)                          # the victim is dead before the others wait for it
+    start = time.time()
+    try:
+        dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=30)
+    except dist.DistError as e:
+        return type(e).__name__, str(e), time.time() - start
+    dist.destroy_process_group()
+    return "ok", "", time.time() - start
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_killed_before_publishing_its_info_is_named_within_2_s(run_ranks, world_size):
+    victim = world_size - 1
+    results = run_ranks(dies_before_publishing, world_size, victim, errors="return", timeout=60)
+    for r in range(world_size - 1):
+        kind, message, took = results[r]
+        print(f"\nTRUST rank {r}: {kind} after {took:.2f} s: {message[:160]}")
+        assert kind == "DistPeerError", results[r]
+        assert f"rank {victim} (pid " in message and "closed its connection to the rendezvous store" in message
+        assert took < 2 + 0.5, f"rank {r} needed {took:.2f} s to name the dead rank (30 s timeout)"
