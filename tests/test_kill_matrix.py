@@ -54,6 +54,20 @@ RANK = """
 """
 
 
+def _sleep_into_setup(rng, run: int, base: str) -> None:
+    """Odd runs: a random instant from the start; even runs: a random
+    instant within 0.4 s after every rank entered init_process_group, so
+    that many kills land inside init and the first new_groups."""
+    if run % 2:
+        time.sleep(rng.uniform(0.2, 1.6))
+        return
+    deadline = time.monotonic() + 20
+    while sum(s in ("init", "groups", "done") for s in _stages(base).split(",")) < RANKS \
+            and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, 0.4))
+
+
 def _left_in_dev_shm(job: str) -> list[str]:
     return sorted(glob.glob(f"/dev/shm/*{job}*"))
 
@@ -98,7 +112,7 @@ def test_whole_job_sigkill_at_random_instants_leaves_nothing(tmp_path, no_leaks)
                                  process_group=first or 0)
             first = first or p.pid
             procs.append(p)
-        time.sleep(rng.uniform(0.2, 1.6))
+        _sleep_into_setup(rng, run, base)
         stages = _stages(base)
         os.killpg(first, signal.SIGKILL)
         for p in procs:
@@ -126,7 +140,7 @@ def test_sigkill_to_the_launcher_leaves_nothing(tmp_path, no_leaks):
                                      "-n", str(RANKS), str(script), base],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     env=dict(os.environ, SHMDIST_JOB_ID=f"{no_leaks}l{run}"))
-        time.sleep(rng.uniform(0.2, 1.6))
+        _sleep_into_setup(rng, run, base)
         ranks = _children(launcher.pid)
         stages = _stages(base)
         launcher.kill()
