@@ -223,8 +223,11 @@ def _setup(w: World) -> None:
     who = f"rank {w.rank}: init_process_group"
     store = w.store
     if store.add(f"claim/{w.rank}", 1) > 1:
+        store.add("claimed-twice", 1)     # the ranks of the other job learn it too
         raise DistError(f"{who}: rank {w.rank} is already claimed by another process; give each "
-                        "process a distinct rank (and, for file://, a fresh file)")
+                        "process a distinct rank (and, for file://, a fresh file). If two jobs were given "
+                        "the same master port or file, give each its own, or a job identity "
+                        f"({rendezvous.JOB_ENV})")
     me = {"world_size": w.world_size, "host": rendezvous.host_identity(), "pid": os.getpid(),
           "backend": w.backend}
     store.set(f"info/{w.rank}", json.dumps(me).encode())
@@ -263,6 +266,11 @@ def _setup(w: World) -> None:
     w.default = ProcessGroup(w, 0, tuple(range(w.world_size)), w.timeout)
     w.groups.append(w.default)
     w.default.coll = _open_collectives(w, w.default)
+    if not rendezvous.job_identity() and store.add("claimed-twice", 0):   # two jobs may have met
+        raise DistError(f"{who}: a rank of this job was claimed twice: two jobs were started with the same "
+                        "init_method (master port or file) and met in one rendezvous, so this job's ranks "
+                        "may not be its own. Give each job its own port or file, or a job identity "
+                        f"({rendezvous.JOB_ENV})")
     w.barrier("init")
 
 

@@ -11,9 +11,12 @@ import errno
 import fcntl
 import hashlib
 import hmac
+import math
 import os
+import resource
 import selectors
 import socket
+import stat
 import struct
 import threading
 import time
@@ -22,12 +25,25 @@ from urllib.parse import urlparse, unquote
 from shmdist.errors import DistError, DistTimeoutError
 
 SECRET_ENV = "SHMDIST_SECRET"
+JOB_ENV = "SHMDIST_JOB_ID"       # set by shmdist-run; ranks of one job must agree on it
 
-_OP_SET, _OP_GET, _OP_ADD, _OP_HELLO, _OP_ARRIVE = range(1, 6)
+_OP_SET, _OP_GET, _OP_ADD, _OP_HELLO, _OP_ARRIVE, _OP_OWN, _OP_BYE = range(1, 8)
 _OK, _TIMEOUT, _DENIED = range(3)
 _REQ = struct.Struct("<BIQd")   # op, key length, value length, timeout seconds
 _REP = struct.Struct("<BQ")      # status, value length
-_MAX_FRAME = 1 << 30
+GREETING = b"SHMDSTO1"           # the store's first bytes, then its nonce
+HELLO_MAGIC = b"SHMDHEL1"        # a client's HELLO value: magic, nonce, proof, job id
+NONCE_BYTES = 16
+PROOF_BYTES = 32
+MAX_JOB_ID = 256                 # bytes of job identity a HELLO may carry
+MAX_HELLO = len(HELLO_MAGIC) + NONCE_BYTES + PROOF_BYTES + MAX_JOB_ID
+MAX_KEY = 4096                   # every key and value the ranks store is far smaller
+MAX_VALUE = 1 << 20
+MAX_DATA = 64 << 20              # bytes all keys and values together may hold
+MAX_OUT = 4 << 20                # replies queued for a client that does not read them
+MAX_CONNS = 4096                 # open connections the store keeps at most (and half the fd limit)
+HELLO_SECONDS = 10.0             # a connection must authenticate and ask something within this
+ACCEPT_PAUSE = 0.1               # seconds the store stops accepting when out of descriptors
 
 
 def recv_exact(sock: socket.socket, n: int, closed: str = "connection closed") -> bytes:
@@ -43,8 +59,24 @@ def recv_exact(sock: socket.socket, n: int, closed: str = "connection closed") -
     return bytes(buf)
 
 
-def _auth_token(secret: str, nonce: bytes) -> bytes:
-    return hmac.new(secret.encode(), nonce, hashlib.sha256).digest()
+def _proof(secret: str | None, role: bytes, first: bytes, second: bytes, job: bytes) -> bytes:
+    """HMAC proving the secret, bound to the role, both nonces and the job."""
+    if not secret:
+        return bytes(PROOF_BYTES)
+    return hmac.new(secret.encode(), role + first + second + job, hashlib.sha256).digest()
+
+
+def job_identity() -> str:
+    """The job this process belongs to, if its launcher said: SHMDIST_JOB_ID
+    (shmdist-run sets it), else torchrun's TORCHELASTIC_RUN_ID, else Slurm's
+    job and step ids; "" if none."""
+    for name in (JOB_ENV, "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(name, "")
+        if value and value != "none":
+            return value[:MAX_JOB_ID]
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID"):   # srun: one job step
+        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"[:MAX_JOB_ID]
+    return ""
 
 
 class _Waiter:
@@ -57,23 +89,62 @@ class _Waiter:
     def ready(self, data) -> bool:
         if self.count is None:
             return self.key in data
-        return int(data.get(self.key, b"0")) >= self.count
+        try:
+            return int(data.get(self.key, b"0")) >= self.count
+        except ValueError:      # someone SET the counter to garbage: it never completes
+            return False
+
+
+class _BadRequest(Exception):
+    """A request that no shmdist rank sends: its connection is closed."""
+
+
+class _Conn:
+    """One client connection: what it sent and what it still has to be sent."""
+    __slots__ = ("sock", "inbuf", "out", "nonce", "authed", "member", "since", "events", "owner")
+
+    def __init__(self, sock: socket.socket, nonce: bytes, now: float):
+        self.sock, self.nonce, self.since = sock, nonce, now
+        self.inbuf = bytearray()
+        self.out = bytearray()
+        self.authed = False     # proved the secret (or said HELLO, without one)
+        self.member = False     # made a request after HELLO: a rank's connection
+        self.events = selectors.EVENT_READ
+        self.owner = None       # (key, label): appended to key if it closes without BYE
+
+    def limit(self) -> int:
+        """Bytes of one frame this connection may send now."""
+        return _REQ.size + (MAX_KEY + MAX_VALUE if self.authed else MAX_HELLO)
 
 
 class _StoreServer:
-    """A single-threaded selector loop serving the TCPStore protocol."""
+    """A single-threaded selector loop serving the TCPStore protocol.
 
-    def __init__(self, sock: socket.socket, secret: str | None):
+    Hostile or broken clients cannot hurt it: a connection must say HELLO
+    (proving the secret, if there is one) in one small frame before anything
+    else is read, and make a request within HELLO_SECONDS; every frame is
+    bounded; replies are sent without blocking, queued per connection up to
+    MAX_OUT; a bad request closes its own connection only; out of
+    descriptors, the store drops the oldest connection that has not made a
+    request yet, or pauses accepting for a moment (no spinning).
+    """
+
+    def __init__(self, sock: socket.socket, secret: str | None, job: str = ""):
         self.sock = sock
         self.secret = secret
+        self.job = job.encode()
         self.data: dict[str, bytes] = {}
+        self.data_bytes = 0
         self.arrived: dict[str, set] = {}
         self.waiters: list[_Waiter] = []
-        self.conns: dict[socket.socket, bytearray] = {}
-        self.authed: set[socket.socket] = set()
-        self.nonce: dict[socket.socket, bytes] = {}
+        self.conns: dict[socket.socket, _Conn] = {}
         self.sel = selectors.DefaultSelector()
         self.trouble = ""      # why ranks may fail to reach this store, for the timeout messages
+        self.dropped = 0       # connections closed for misbehaving (tests read it)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_conns = MAX_CONNS if soft == resource.RLIM_INFINITY else max(16, min(MAX_CONNS, soft // 2))
+        self.accepting = True
+        self.resume_at = 0.0
         self.stop = threading.Event()
         self.wake_r, self.wake_w = socket.socketpair()
         self.thread = threading.Thread(target=self._loop, name="shmdist-store", daemon=True)
@@ -85,121 +156,210 @@ class _StoreServer:
         self.thread.start()
 
     def close(self, timeout: float = 5.0):
-        """Finish the request being served (so replies already due go out), then stop."""
+        """Stop, after sending the replies already due (for up to 2 s)."""
         self.stop.set()
         try:
             self.wake_w.send(b"x")
         except OSError:
             pass
         self.thread.join(timeout)
-        for c in list(self.conns):
-            c.close()
+        deadline = time.monotonic() + min(timeout, 2.0)
+        for c in list(self.conns.values()):
+            if c.out:
+                try:
+                    c.sock.setblocking(True)
+                    c.sock.settimeout(max(0.01, deadline - time.monotonic()))
+                    c.sock.sendall(c.out)
+                except OSError:
+                    pass
+            c.sock.close()
+        self.conns.clear()
         for s in (self.sock, self.wake_r, self.wake_w):
             s.close()
         self.sel.close()
 
+    def members(self) -> int:
+        """Connections that made a request (the ranks', normally)."""
+        return sum(c.member for c in self.conns.values())
+
+    # ------------------------------------------------------------ the loop
+
     def _loop(self):
         while not self.stop.is_set():
-            now = time.monotonic()
-            timeout = None
-            if self.waiters:
-                timeout = max(0.0, min(w.deadline for w in self.waiters) - now)
-            for key, _ in self.sel.select(timeout):
-                if key.data == "accept":
-                    self._accept()
-                elif key.data == "wake":
-                    self.wake_r.recv(64)
-                else:
-                    self._read(key.fileobj)
+            for key, events in self.sel.select(self._next_timeout()):
+                try:
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data == "wake":
+                        self.wake_r.recv(64)
+                    else:
+                        conn = self.conns.get(key.fileobj)
+                        if conn is not None and events & selectors.EVENT_WRITE:
+                            self._flush(conn)
+                        if conn is not None and events & selectors.EVENT_READ and key.fileobj in self.conns:
+                            self._read(conn)
+                except Exception as e:   # noqa: BLE001 - one connection's trouble must not stop the store
+                    self.trouble = f"the store on rank 0 hit {type(e).__name__}: {e}"
+                    if key.data not in ("accept", "wake"):
+                        self._drop(key.fileobj)
             self._expire()
 
-    def _accept(self):
-        try:
-            conn, _ = self.sock.accept()
-        except OSError as e:
-            if e.errno in (errno.EMFILE, errno.ENFILE):
-                self.trouble = (f"the store on rank 0 could not accept a connection ({e.strerror}): "
-                                "raise the open-files limit (ulimit -n)")
-            return
-        conn.setblocking(True)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.conns[conn] = bytearray()
-        nonce = os.urandom(16)
-        self.nonce[conn] = nonce
-        try:
-            conn.sendall(nonce)
-        except OSError:
-            self._drop(conn)
-            return
-        self.sel.register(conn, selectors.EVENT_READ, "conn")
+    def _next_timeout(self) -> float | None:
+        times = [w.deadline for w in self.waiters]
+        times += [c.since + HELLO_SECONDS for c in self.conns.values() if not c.member]
+        if not self.accepting:
+            times.append(self.resume_at)
+        return max(0.0, min(times) - time.monotonic()) if times else None
 
-    def _drop(self, conn):
+    def _accept(self):
+        for _ in range(64):   # a burst of connections, then serve the others
+            try:
+                sock, _ = self.sock.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self.trouble = (f"the store on rank 0 ran out of file descriptors accepting a "
+                                    f"connection ({e.strerror}); raise the open-files limit (ulimit -n)")
+                    if not self._evict():
+                        self._pause_accepting()
+                return
+            if len(self.conns) >= self.max_conns and not self._evict():
+                self.trouble = (f"the store on rank 0 holds {len(self.conns)} connections, as many as half "
+                                "its open-files limit allows; raise the limit (ulimit -n)")
+                sock.close()
+                continue
+            sock.setblocking(False)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            nonce = os.urandom(NONCE_BYTES)
+            conn = _Conn(sock, nonce, time.monotonic())
+            self.conns[sock] = conn
+            self.sel.register(sock, selectors.EVENT_READ, "conn")
+            self._send(conn, GREETING + nonce)
+
+    def _evict(self) -> bool:
+        """Drop the oldest connection that has not authenticated, else the
+        oldest that has not made a request yet; False if none."""
+        idle = ([c for c in self.conns.values() if not c.authed]
+                or [c for c in self.conns.values() if not c.member])
+        if not idle:
+            return False
+        self._drop(min(idle, key=lambda c: c.since).sock)
+        return True
+
+    def _pause_accepting(self):
+        if self.accepting:
+            self.sel.unregister(self.sock)
+            self.accepting = False
+        self.resume_at = time.monotonic() + ACCEPT_PAUSE
+
+    def _drop(self, sock, misbehaved: bool = True):
+        conn = self.conns.pop(sock, None)
+        if conn is None:
+            return
+        self.dropped += misbehaved
+        if conn.owner is not None:      # a rank's connection closed without goodbye: it died
+            key, label = conn.owner
+            old = self.data.get(key, b"")
+            if len(old) < MAX_VALUE // 2:
+                self.data[key] = old + label + b";"
         try:
-            self.sel.unregister(conn)
+            self.sel.unregister(sock)
         except (KeyError, ValueError):
             pass
-        self.conns.pop(conn, None)
-        self.authed.discard(conn)
-        self.nonce.pop(conn, None)
         self.waiters = [w for w in self.waiters if w.conn is not conn]
-        conn.close()
+        sock.close()
 
-    def _reply(self, conn, status: int, value: bytes = b""):
+    # ------------------------------------------------------------ bytes in and out
+
+    def _send(self, conn: _Conn, data: bytes):
+        if not conn.out:
+            try:
+                n = conn.sock.send(data)
+            except BlockingIOError:
+                n = 0
+            except OSError:
+                self._drop(conn.sock, misbehaved=False)
+                return
+            data = data[n:]
+        conn.out += data
+        if len(conn.out) > MAX_OUT:
+            self._drop(conn.sock)       # it asks and never reads the answers
+        elif conn.out and not conn.events & selectors.EVENT_WRITE:
+            conn.events |= selectors.EVENT_WRITE
+            self.sel.modify(conn.sock, conn.events, "conn")
+
+    def _flush(self, conn: _Conn):
         try:
-            conn.sendall(_REP.pack(status, len(value)) + value)
-        except OSError:
-            self._drop(conn)
-
-    def _read(self, conn):
-        buf = self.conns.get(conn)
-        if buf is None:
+            n = conn.sock.send(conn.out)
+        except BlockingIOError:
             return
+        except OSError:
+            self._drop(conn.sock, misbehaved=False)
+            return
+        del conn.out[:n]
+        if not conn.out:
+            conn.events &= ~selectors.EVENT_WRITE
+            self.sel.modify(conn.sock, conn.events, "conn")
+
+    def _reply(self, conn: _Conn, status: int, value: bytes = b""):
+        if conn.sock in self.conns:
+            self._send(conn, _REP.pack(status, len(value)) + value)
+
+    def _read(self, conn: _Conn):
         try:
-            chunk = conn.recv(1 << 16)
+            chunk = conn.sock.recv(max(1, min(conn.limit() - len(conn.inbuf), 1 << 16)))
+        except BlockingIOError:
+            return
         except OSError:
             chunk = b""
         if not chunk:
-            self._drop(conn)
+            self._drop(conn.sock, misbehaved=False)
             return
-        buf += chunk
-        while len(buf) >= _REQ.size:
-            op, klen, vlen, tmo = _REQ.unpack_from(buf)
-            if klen > _MAX_FRAME or vlen > _MAX_FRAME:
-                self._drop(conn)   # garbage: not one of ours
-                return
-            end = _REQ.size + klen + vlen
-            if len(buf) < end:
-                break
-            key = bytes(buf[_REQ.size:_REQ.size + klen]).decode("utf-8", "replace")
-            value = bytes(buf[_REQ.size + klen:end])
-            del buf[:end]
-            if not self._handle(conn, op, key, value, tmo):
-                return
+        conn.inbuf += chunk
+        buf = conn.inbuf
+        try:
+            while len(buf) >= _REQ.size and conn.sock in self.conns:
+                op, klen, vlen, tmo = _REQ.unpack_from(buf)
+                if not conn.authed and (op != _OP_HELLO or klen or vlen > MAX_HELLO):
+                    raise _BadRequest("a request before HELLO")
+                if klen > MAX_KEY or vlen > MAX_VALUE:
+                    raise _BadRequest(f"a frame of {klen} + {vlen} bytes")
+                end = _REQ.size + klen + vlen
+                if len(buf) < end:
+                    return
+                key = bytes(buf[_REQ.size:_REQ.size + klen]).decode("utf-8")
+                value = bytes(buf[_REQ.size + klen:end])
+                del buf[:end]
+                self._handle(conn, op, key, value, tmo)
+        except (_BadRequest, ValueError, UnicodeDecodeError, OverflowError):
+            self._drop(conn.sock)
 
-    def _handle(self, conn, op, key, value, tmo) -> bool:
+    # ------------------------------------------------------------ requests
+
+    def _handle(self, conn: _Conn, op, key, value, tmo):
         if op == _OP_HELLO:
-            if self.secret and not hmac.compare_digest(value, _auth_token(self.secret, self.nonce[conn])):
-                self._reply(conn, _DENIED)
-                self._drop(conn)
-                return False
-            self.authed.add(conn)
-            self._reply(conn, _OK)
-            return True
-        if conn not in self.authed:
-            self._drop(conn)
-            return False
+            self._hello(conn, value)
+            return
+        conn.member = True
+        if not math.isfinite(tmo) or tmo < 0:
+            raise _BadRequest(f"timeout {tmo}")
+        deadline = time.monotonic() + min(tmo, 1e7)
         if op == _OP_SET:
-            self.data[key] = value
+            self._store(key, value)
             self._reply(conn, _OK)
             self._notify(key)
         elif op == _OP_GET:
             if key in self.data:
                 self._reply(conn, _OK, self.data[key])
             else:
-                self.waiters.append(_Waiter(conn, key, time.monotonic() + tmo))
+                self.waiters.append(_Waiter(conn, key, deadline))
         elif op == _OP_ADD:
-            n = int(self.data.get(key, b"0")) + int(value)
-            self.data[key] = str(n).encode()
+            n = int(self.data.get(key, b"0")) + int(value.decode("ascii"))
+            self._store(key, str(n).encode())
             self._reply(conn, _OK, self.data[key])
             self._notify(key)
         elif op == _OP_ARRIVE:
@@ -207,16 +367,65 @@ class _StoreServer:
             # and answer once ``count`` callers arrived. All answers go out in
             # one pass, so a master that exits right after its own answer cannot
             # strand the others.
-            count, _, caller = value.decode().partition(":")
+            count, _, caller = value.decode("utf-8").partition(":")
+            count = int(count)
             arrived = self.arrived.setdefault(key, set())
-            arrived.add(caller)
-            self.data[key] = str(len(arrived)).encode()
-            self.waiters.append(_Waiter(conn, key, time.monotonic() + tmo, int(count)))
+            if caller not in arrived:
+                self._account(len(caller) + 64)
+                arrived.add(caller)
+            self._store(key, str(len(arrived)).encode())
+            self.waiters.append(_Waiter(conn, key, deadline, count))
             self._notify(key)
+        elif op == _OP_OWN:
+            # "if this connection closes without BYE, append ``value`` to ``key``":
+            # how the others learn at once that a rank died during set-up
+            if len(value) > 256:
+                raise _BadRequest("an OWN label too long")
+            conn.owner = (key, value)
+            self._reply(conn, _OK)
+        elif op == _OP_BYE:
+            conn.owner = None           # no reply: the client closes right after
         else:
-            self._drop(conn)
-            return False
-        return True
+            raise _BadRequest(f"op {op}")
+
+    def _hello(self, conn: _Conn, value: bytes):
+        """Check the client's proof and job; answer with the store's own proof."""
+        at = len(HELLO_MAGIC)
+        if conn.authed or not value.startswith(HELLO_MAGIC) or len(value) < at + NONCE_BYTES + PROOF_BYTES:
+            raise _BadRequest("a malformed HELLO")
+        their_nonce = value[at:at + NONCE_BYTES]
+        proof = value[at + NONCE_BYTES:at + NONCE_BYTES + PROOF_BYTES]
+        job = value[at + NONCE_BYTES + PROOF_BYTES:]
+        if self.secret and not hmac.compare_digest(
+                proof, _proof(self.secret, b"client", conn.nonce, their_nonce, job)):
+            self._reply(conn, _DENIED, b"secret")
+            self._close_after_reply(conn)
+            return
+        if job and self.job and job != self.job:
+            self._reply(conn, _DENIED, b"job:" + self.job)
+            self._close_after_reply(conn)
+            return
+        conn.authed = True
+        self._reply(conn, _OK, _proof(self.secret, b"store", their_nonce, conn.nonce, job))
+
+    def _close_after_reply(self, conn: _Conn):
+        """Refused: send the refusal (best effort, never blocking), then close."""
+        try:
+            conn.sock.send(conn.out)
+        except OSError:
+            pass
+        conn.out = bytearray()
+        self._drop(conn.sock)
+
+    def _account(self, nbytes: int):
+        if self.data_bytes + nbytes > MAX_DATA:
+            raise _BadRequest("the store is full")
+        self.data_bytes += nbytes
+
+    def _store(self, key: str, value: bytes):
+        old = self.data.get(key)
+        self._account(len(key) + len(value) - (len(key) + len(old) if old is not None else 0))
+        self.data[key] = value
 
     def _notify(self, key):
         ready = [w for w in self.waiters if w.key == key and w.ready(self.data)]
@@ -232,20 +441,34 @@ class _StoreServer:
             self.waiters = [w for w in self.waiters if w.deadline > now]
             for w in late:
                 self._reply(w.conn, _TIMEOUT)
+        for c in [c for c in self.conns.values() if not c.member and c.since + HELLO_SECONDS <= now]:
+            self._drop(c.sock)       # never authenticated, or never asked anything
+        if not self.accepting and now >= self.resume_at:
+            self.sel.register(self.sock, selectors.EVENT_READ, "accept")
+            self.accepting = True
 
 
 class TCPStore:
-    """Key-value store over TCP; the master process also serves it."""
+    """Key-value store over TCP; the master process also serves it.
+
+    Both ends authenticate: the client proves ``SHMDIST_SECRET`` (HMAC of the
+    store's nonce) and the store proves it back (HMAC of the client's nonce),
+    so a process that bound the port first learns nothing; the client sends
+    it nothing but its HELLO. Both also name their job (``job_identity``),
+    and a store refuses a rank of another job.
+    """
 
     def __init__(self, host: str, port: int, *, is_master: bool, timeout: float,
-                 scheme: str = "tcp://", secret: str | None = None):
+                 scheme: str = "tcp://", secret: str | None = None, job: str | None = None):
         self.host, self.port, self.timeout = host, port, timeout
         self.scheme = scheme
         self.secret = secret if secret is not None else os.environ.get(SECRET_ENV) or None
+        self.job = job_identity() if job is None else job
         self.server = None
+        self.sock = None
         self.lock = threading.Lock()
         if is_master:
-            self.server = _StoreServer(self._listen(host, port), self.secret)
+            self.server = _StoreServer(self._listen(host, port), self.secret, self.job)
             self.server.start()
             self.port = self.server.sock.getsockname()[1]
         try:
@@ -275,51 +498,95 @@ class TCPStore:
         raise DistError(f"Error initializing shmdist using {self.scheme} rendezvous: cannot listen on "
                         f"{host}:{port}: {last}") from last
 
+    def _fail(self, what: str) -> DistError:
+        return DistError(f"Error initializing shmdist using {self.scheme} rendezvous: {what}")
+
     def _connect(self, timeout) -> socket.socket:
         deadline = time.monotonic() + timeout
         delay = 0.01
         last = None
         while True:
+            s = None
             try:
                 s = socket.create_connection((self.host, self.port), timeout=max(0.1, deadline - time.monotonic()))
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                s.settimeout(max(0.1, min(deadline - time.monotonic(), HELLO_SECONDS)))
+                self._hello(s)
                 s.settimeout(None)
-                nonce = recv_exact(s, 16)
-                token = _auth_token(self.secret, nonce) if self.secret else b""
-                status, _ = self._request_on(s, _OP_HELLO, "", token, 0.0)
-                if status == _DENIED:
-                    s.close()
-                    raise DistError(
-                        f"Error initializing shmdist using {self.scheme} rendezvous: the store at "
-                        f"{self.host}:{self.port} refused this process's {SECRET_ENV}; set the same "
-                        "secret in every rank")
                 return s
+            except DistError:
+                if s is not None:
+                    s.close()
+                raise
             except (OSError, ConnectionError) as e:
+                if s is not None:
+                    s.close()
                 last = e
             if time.monotonic() + delay > deadline:
+                trouble = self.hint()
                 raise DistTimeoutError(
                     f"Error initializing shmdist using {self.scheme} rendezvous: could not reach the "
-                    f"master at {self.host}:{self.port} within {timeout:g} s ({last}); check that rank 0 "
-                    "is running and that MASTER_ADDR / MASTER_PORT point to it")
+                    f"master at {self.host}:{self.port} within {timeout:g} s ({last}); "
+                    + (f"{trouble}" if trouble else "check that rank 0 is running and that MASTER_ADDR / "
+                       "MASTER_PORT point to it"))
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
+
+    def _hello(self, s: socket.socket) -> None:
+        """Authenticate both ways on a new connection, or raise DistError."""
+        where = f"{self.host}:{self.port}"
+        greeting = recv_exact(s, len(GREETING) + NONCE_BYTES)
+        if not greeting.startswith(GREETING):
+            raise self._fail(f"what answers at {where} is not a shmdist store (it sent {greeting[:8]!r}); "
+                             "check MASTER_ADDR / MASTER_PORT")
+        theirs, mine, job = greeting[len(GREETING):], os.urandom(NONCE_BYTES), self.job.encode()
+        hello = HELLO_MAGIC + mine + _proof(self.secret, b"client", theirs, mine, job) + job
+        status, value = self._request_on(s, _OP_HELLO, "", hello, 0.0)
+        if status == _DENIED and value == b"secret":
+            raise self._fail(f"the store at {where} refused this process's {SECRET_ENV}; set the same "
+                             "secret in every rank")
+        if status == _DENIED and value.startswith(b"job:"):
+            other = value[4:].decode(errors="replace")
+            raise self._fail(f"the store at {where} serves job '{other}', this rank belongs to job "
+                             f"'{self.job}' ({JOB_ENV} / TORCHELASTIC_RUN_ID); two jobs were given the "
+                             "same master port: give each job its own")
+        if status != _OK:
+            raise self._fail(f"the store at {where} answered HELLO with status {status}")
+        if self.secret and not hmac.compare_digest(value, _proof(self.secret, b"store", mine, theirs, job)):
+            raise self._fail(f"the server at {where} could not prove {SECRET_ENV}: it is not this job's store "
+                             "(another process may have bound the port first). This rank sent it nothing "
+                             "but its own proof; check MASTER_ADDR / MASTER_PORT and who listens there")
 
     @staticmethod
     def _request_on(sock, op, key, value, tmo):
         k = key.encode()
         sock.sendall(_REQ.pack(op, len(k), len(value), tmo) + k + value)
         status, n = _REP.unpack(recv_exact(sock, _REP.size))
+        if n > MAX_VALUE:
+            raise ConnectionError(f"the store announced a reply of {n} bytes, more than any it sends")
         return status, (recv_exact(sock, n) if n else b"")
 
     def _request(self, op, key, value=b"", tmo=0.0):
+        from shmdist.errors import DistPeerError
         with self.lock:
+            if self.sock is None:
+                raise DistPeerError(f"rendezvous store at {self.host}:{self.port} is closed for this rank "
+                                    f"(a request before '{key}' failed)")
+            self.sock.settimeout(tmo + min(self.timeout, 60.0))   # a store that never answers
             try:
                 return self._request_on(self.sock, op, key, value, tmo)
+            except socket.timeout as e:
+                self.sock.close()
+                self.sock = None        # a late answer would be taken for the next one's
+                raise DistTimeoutError(
+                    f"rendezvous store at {self.host}:{self.port} did not answer '{key}' within "
+                    f"{tmo + min(self.timeout, 60.0):g} s; rank 0, which serves it, is stuck or is not "
+                    "this job's store") from e
             except (OSError, ConnectionError) as e:
-                from shmdist.errors import DistPeerError
                 raise DistPeerError(
                     f"rendezvous store at {self.host}:{self.port} went away during '{key}' ({e}); "
                     "rank 0, which serves it, has probably exited") from e
+
 
     def set(self, key: str, value: bytes) -> None:
         self._request(_OP_SET, key, bytes(value))
@@ -339,6 +606,11 @@ class TCPStore:
         """What the master's server saw go wrong, if anything."""
         return self.server.trouble if self.server is not None else ""
 
+    def own(self, key: str, label: str) -> None:
+        """Should this connection close without ``close()`` (the process
+        crashed or was killed), the store appends ``label;`` to ``key``."""
+        self._request(_OP_OWN, key, label.encode()[:256])
+
     def arrive(self, key: str, count: int, timeout: float | None = None, caller: str = "") -> None:
         """Barrier: return once ``count`` callers arrived at ``key``. A caller
         that asks again (after a timeout) is counted once."""
@@ -354,6 +626,11 @@ class TCPStore:
         other ranks can still read why and fail with the real cause)."""
         sock = getattr(self, "sock", None)
         if sock is not None:
+            try:
+                sock.settimeout(0.5)
+                sock.sendall(_REQ.pack(_OP_BYE, 0, 0, 0.0))   # a goodbye: this rank did not die
+            except OSError:
+                pass
             sock.close()
             self.sock = None
         if self.server is not None:
@@ -366,17 +643,79 @@ class TCPStore:
 
 class FileStore:
     """A store in one file, for ``file://`` rendezvous: append-only records
-    under an fcntl lock. The file is removed by the last rank to close."""
+    under an fcntl lock. The file is removed by the last rank to close.
 
-    def __init__(self, path: str, world_size: int, timeout: float):
+    The file is opened without following a symlink, and used only if it is
+    a regular file of this user with mode 0600 whose first record says it
+    is a shmdist store; with ``SHMDIST_SECRET`` set, its second record must
+    prove the same secret, and with a job identity, its third must name the
+    same job. The first rank to open an empty file writes those records.
+    """
+
+    MAGIC = "__shmdist_store__"
+
+    def __init__(self, path: str, world_size: int, timeout: float, secret: str | None = None,
+                 job: str | None = None):
         self.path, self.world_size, self.timeout = path, world_size, timeout
+        self.secret = secret if secret is not None else os.environ.get(SECRET_ENV) or None
+        self.job = job_identity() if job is None else job
+        self.closed = True
         try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
         except OSError as e:
-            raise DistError(f"Error initializing shmdist using file:// rendezvous: cannot open {path}: "
-                            f"{e}; use a path in a writable directory that every rank sees") from e
+            if e.errno == errno.ELOOP:
+                raise self._fail("it is a symbolic link; file:// follows none (someone may have planted "
+                                 "it): use a path in a directory only you can write") from e
+            raise self._fail(f"cannot open it ({e.strerror}); use a path in a writable directory that "
+                             "every rank sees") from e
+        try:
+            os.set_blocking(self.fd, True)
+            st = os.fstat(self.fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._fail("it is not a regular file")
+            if st.st_uid != os.geteuid():
+                raise self._fail(f"it belongs to uid {st.st_uid}, not to this process's uid {os.geteuid()}; "
+                                 "someone else made it: remove it or use another path")
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                raise self._fail(f"its mode is {oct(stat.S_IMODE(st.st_mode))}; a store file must be 0600 "
+                                 "(others could read or change the rendezvous): remove it or use another path")
+            self._check_or_stamp()
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.closed = False
         self.add("__users__", 1)
+
+    def _fail(self, why: str) -> DistError:
+        return DistError(f"Error initializing shmdist using file:// rendezvous: {self.path}: {why}")
+
+    def _check_or_stamp(self) -> None:
+        salt_proof = lambda salt: _proof(self.secret, b"file", salt, b"", b"")   # noqa: E731
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            recs = self._records()
+            if not recs:
+                salt = os.urandom(NONCE_BYTES)
+                self._append(self.MAGIC, b"1")
+                self._append("__auth__", salt + salt_proof(salt) if self.secret else b"")
+                self._append("__job__", self.job.encode())
+                return
+            if recs.get(self.MAGIC) != b"1":
+                raise self._fail("it is not a shmdist store file; use a fresh path")
+            auth = recs.get("__auth__", b"")
+            if self.secret and not (len(auth) == NONCE_BYTES + PROOF_BYTES and hmac.compare_digest(
+                    auth[NONCE_BYTES:], salt_proof(auth[:NONCE_BYTES]))):
+                raise self._fail(f"it was made by a rank with another {SECRET_ENV} (or none); set the same "
+                                 "secret in every rank")
+            if not self.secret and auth:
+                raise self._fail(f"it was made by a rank with {SECRET_ENV} set; set the same secret in "
+                                 "every rank")
+            theirs = recs.get("__job__", b"").decode(errors="replace")
+            if theirs and self.job and theirs != self.job:
+                raise self._fail(f"it belongs to job '{theirs}', this rank to job '{self.job}' ({JOB_ENV} / "
+                                 "TORCHELASTIC_RUN_ID); two jobs were given the same file: give each its own")
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def _records(self) -> dict[str, bytes]:
         os.lseek(self.fd, 0, os.SEEK_SET)
@@ -387,9 +726,15 @@ class FileStore:
                 break
             raw += chunk
         out: dict[str, bytes] = {}
-        for line in raw.splitlines():
-            k, _, v = line.partition(b"\t")
-            out[bytes.fromhex(k.decode()).decode()] = bytes.fromhex(v.decode())
+        for n, line in enumerate(raw.splitlines(), 1):
+            k, sep, v = line.partition(b"\t")
+            try:
+                if not sep:
+                    raise ValueError("no tab")
+                out[bytes.fromhex(k.decode("ascii")).decode()] = bytes.fromhex(v.decode("ascii"))
+            except (ValueError, UnicodeDecodeError):
+                raise self._fail(f"line {n} is not a store record: it is not a shmdist store file, or "
+                                 "something else wrote to it; use a fresh path") from None
         return out
 
     def _append(self, key, value):
@@ -465,6 +810,12 @@ class PrefixStore:
     def hint(self) -> str:
         return self.store.hint() if hasattr(self.store, "hint") else ""
 
+    def own(self, key, label) -> bool:
+        """As TCPStore.own, under the prefix; False where the store cannot."""
+        if not hasattr(self.store, "own"):
+            return False
+        return self.store.own(self.prefix + key, label) is not False
+
 
 def arrive(store, key: str, count: int, timeout: float | None = None, caller: str = "") -> None:
     """Barrier of ``count`` processes on any store: one request where the store
@@ -488,8 +839,10 @@ def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
+    except OSError:
+        return True   # EMFILE and the like say nothing about the process: kill(0) found it
 
 
 class WatchedStore:
@@ -498,10 +851,13 @@ class WatchedStore:
     dies during set-up is named at once instead of after the timeout."""
 
     SLICE = 0.25
+    DEPARTED = "departed"     # the store appends "rank R (pid P);" when R's connection drops
 
     def __init__(self, store, rank: int, timeout: float, op: str = "init_process_group"):
         self.store, self.rank, self.timeout, self.op = store, rank, timeout, op
         self.peers: dict[int, int] = {}     # rank -> pid, of ranks on this host
+        own = getattr(store, "own", None)
+        self.owned = bool(own and own(self.DEPARTED, f"rank {rank} (pid {os.getpid()})"))
 
     def set(self, key, value):
         self.store.set(key, value)
@@ -524,6 +880,25 @@ class WatchedStore:
                 raise DistPeerError(
                     f"rank {self.rank}: {self.op}: rank {r} (pid {pid}) died while the job was being "
                     f"set up (this rank waited for '{key}'); restart the job") from None
+        gone = self.departed()
+        if gone:
+            raise self._died(gone, key)
+
+    def departed(self) -> str:
+        """Who closed their store connection without leaving ("" if no one, or unknown)."""
+        if not self.owned:
+            return ""
+        try:
+            return self.store.get(self.DEPARTED, 0.0).decode(errors="replace").rstrip(";")
+        except DistError:
+            return ""
+
+    def _died(self, gone: str, key: str):
+        from shmdist.errors import DistPeerError
+        return DistPeerError(
+            f"rank {self.rank}: {self.op}: {gone.replace(';', ', ')} closed its connection to the rendezvous "
+            f"store without leaving (it crashed or was killed) while the job was being set up (this rank "
+            f"waited for '{key}'); restart the job")
 
     def _sliced(self, call, key, timeout):
         total = self.timeout if timeout is None else timeout
@@ -532,7 +907,15 @@ class WatchedStore:
             try:
                 return call(min(self.SLICE, max(0.01, deadline - time.monotonic())))
             except DistTimeoutError:
-                self.check(key)
+                for r, pid in self.peers.items():
+                    if not pid_alive(pid):
+                        self.check(key)           # names it
+                gone = self.departed()
+                if gone:
+                    try:
+                        return call(0.05)         # it may have left after this very wait completed
+                    except DistTimeoutError:
+                        raise self._died(gone, key) from None
                 if time.monotonic() >= deadline:
                     hint = self.store.hint() if hasattr(self.store, "hint") else ""
                     raise DistTimeoutError(

@@ -12,8 +12,10 @@ as under torchrun.
 
 When a rank fails (non-zero exit or a signal) the launcher stops the others:
 SIGTERM, then SIGKILL for those still alive after a grace period. SIGINT or
-SIGTERM sent to the launcher is forwarded to every rank the same way. At the
-end it removes any /dev/shm/shmdist-<job id>-* segment the job left behind.
+SIGTERM sent to the launcher is forwarded to every rank the same way. There
+is no shared memory to sweep afterwards: segments have no name (memfd) and go
+with the ranks, however they end. A launcher that is itself killed takes
+its ranks with it (PR_SET_PDEATHSIG).
 The launcher exits 0 when every rank did, else with the failing rank's exit
 code (128 + the signal number for a signal).
 """
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
 import os
 import secrets
 import signal
@@ -31,7 +32,7 @@ import sys
 import threading
 import time
 
-from shmdist.segment import JOB_ENV, PREFIX
+from shmdist.rendezvous import JOB_ENV
 
 GRACE_SECONDS = 5.0   # between SIGTERM (or a forwarded signal) and SIGKILL
 POLL_SECONDS = 0.05
@@ -113,6 +114,10 @@ class Job:
         self.a = a
         inherited = os.environ.get(JOB_ENV)   # a launcher inside a test or another job: nest its id
         self.job_id = f"{inherited}-{secrets.token_hex(6)}" if inherited else secrets.token_hex(6)
+        if a.nnodes > 1:
+            # Every host's launcher must give the same id (the store refuses ranks of another
+            # job): the one the user set for all of them, or none.
+            self.job_id = inherited or ""
         self.port = a.master_port or _free_port()
         self.procs: dict[int, subprocess.Popen] = {}   # global rank -> its process
         self.copiers: list[threading.Thread] = []
@@ -125,7 +130,10 @@ class Job:
         env.update(RANK=str(a.node_rank * a.nproc + local_rank), WORLD_SIZE=str(a.nnodes * a.nproc),
                    LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(a.nproc),
                    MASTER_ADDR=a.master_addr, MASTER_PORT=str(self.port))
-        env[JOB_ENV] = self.job_id
+        if self.job_id:
+            env[JOB_ENV] = self.job_id
+        else:
+            env.pop(JOB_ENV, None)
         if a.nproc > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
         if a.prefix:
@@ -211,21 +219,6 @@ class Job:
     def finish(self) -> None:
         for t in self.copiers:
             t.join(timeout=1.0)   # a grandchild may hold a pipe open: do not wait for it forever
-        self.sweep()
-
-    def sweep(self) -> None:
-        """Remove the shared memory segments of this job that no rank unlinked."""
-        leftovers = sorted(glob.glob(f"/dev/shm/{PREFIX}{self.job_id}-*"))
-        removed = []
-        for path in leftovers:
-            try:
-                os.unlink(path)
-                removed.append(os.path.basename(path))
-            except FileNotFoundError:
-                pass
-        if removed:
-            self._log(f"removed {len(removed)} shared memory segment(s) the ranks left in /dev/shm: "
-                      + ", ".join(removed))
 
     def _log(self, message: str) -> None:
         with self.out_lock:

@@ -36,6 +36,7 @@ import json
 import mmap
 import os
 import select
+import selectors
 import socket
 import struct
 import threading
@@ -54,6 +55,8 @@ ADDR_ENV = "SHMDIST_TCP_ADDR"   # the address this rank listens on, when the def
 HELLO = struct.Struct("<IHHi16s32s")   # magic, version, 0, rank, nonce, job digest
 HELLO_MAGIC = 0x50435444              # "DTCP"
 PROOF_BYTES = 32
+HANDSHAKE_SECONDS = 10.0              # a connection must finish the handshake within this
+MAX_PENDING = 256                     # handshakes in progress at once; beyond, the oldest goes
 CLOSED = "the connection closed during the handshake"
 HUNG_UP = ("closed its connection without saying goodbye (it crashed, was killed, or exited "
            "in the middle of an operation)")
@@ -272,6 +275,54 @@ class Link:
                 pass
 
 
+class _Handshake:
+    """The accepting side of one handshake, fed as bytes arrive: the
+    connector's HELLO, then (after ours and our proof) its proof."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self.sock, self.deadline = sock, deadline
+        self.buf = bytearray()
+        self.need = HELLO.size
+        self.nonce = os.urandom(16)
+        self.peer = None
+
+    def step(self, t: "Transport", waiting, job) -> int | None:
+        """None while incomplete; the peer's rank once it proved itself; -1 if refused."""
+        try:
+            chunk = self.sock.recv(self.need - len(self.buf))
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return -1
+        if not chunk:
+            return -1
+        self.buf += chunk
+        if len(self.buf) < self.need:
+            return None
+        try:
+            if self.peer is None:
+                magic, version, _, peer, their_nonce, their_job = HELLO.unpack(self.buf)
+                if (magic, version, their_job) != (HELLO_MAGIC, VERSION, job) or peer not in waiting:
+                    return -1
+                self.peer = peer
+                self.buf, self.need = bytearray(), PROOF_BYTES
+                _send_small(self.sock, HELLO.pack(HELLO_MAGIC, VERSION, 0, t.rank, self.nonce, job)
+                            + t._proof(b"accept", their_nonce, job))
+                return None
+            if not hmac.compare_digest(bytes(self.buf), t._proof(b"connect", self.nonce, job)):
+                return -1
+            _send_small(self.sock, b"\1")
+            return self.peer
+        except OSError:
+            return -1
+
+
+def _send_small(sock: socket.socket, data: bytes) -> None:
+    """Send a few bytes on a non-blocking socket (they fit its buffer)."""
+    if sock.send(data) != len(data):
+        raise OSError("short send during the handshake")
+
+
 class Transport:
     """This rank's links to the ranks on other hosts, and the I/O thread.
 
@@ -360,47 +411,82 @@ class Transport:
         return sock
 
     def _accept(self, listener, expected, job, deadline, who) -> None:
+        """Accept the higher ranks. Handshakes run side by side, each with
+        its own short deadline, so a connection that says nothing (or
+        garbage) costs a slot for HANDSHAKE_SECONDS at most, never the init."""
         waiting = set(expected)
         refused = 0
-        while waiting:
-            left = deadline - time.monotonic()
-            listener.settimeout(max(0.0, left))
+        pending: dict[socket.socket, _Handshake] = {}
+        sel = selectors.DefaultSelector()
+        listener.setblocking(False)
+        sel.register(listener, selectors.EVENT_READ)
+        try:
+            while waiting:
+                now = time.monotonic()
+                for sock in [s for s, h in pending.items() if h.deadline <= now]:
+                    refused += 1
+                    self._forget(sel, pending, sock)
+                if now >= deadline:
+                    extra = (f"; {refused} connection(s) failed the job or {SECRET_ENV} check or said "
+                             "nothing" if refused else "")
+                    raise DistTimeoutError(
+                        f"{who}: rank(s) {sorted(waiting)} on other hosts did not connect to this rank "
+                        f"within the timeout{extra}; check that they run, share the same {SECRET_ENV}, "
+                        "and can reach this host")
+                wake = min([deadline] + [h.deadline for h in pending.values()])
+                for key, _ in sel.select(max(0.0, wake - now)):
+                    if key.fileobj is listener:
+                        self._take(listener, sel, pending, min(deadline, now + HANDSHAKE_SECONDS))
+                        continue
+                    sock = key.fileobj
+                    h = pending.get(sock)
+                    if h is None:
+                        continue
+                    peer = h.step(self, waiting, job)
+                    if peer is None:
+                        continue
+                    del pending[sock]
+                    sel.unregister(sock)
+                    if peer < 0:
+                        refused += 1
+                        sock.close()
+                        continue
+                    waiting.discard(peer)
+                    self._add(peer, sock)
+        finally:
+            for sock in list(pending):
+                self._forget(sel, pending, sock)
+            sel.close()
+
+    @staticmethod
+    def _take(listener, sel, pending, until) -> None:
+        for _ in range(64):
             try:
                 sock, _ = listener.accept()
-            except socket.timeout:
-                extra = (f"; {refused} connection(s) failed the job or {SECRET_ENV} check"
-                         if refused else "")
-                raise DistTimeoutError(
-                    f"{who}: rank(s) {sorted(waiting)} on other hosts did not connect to this rank "
-                    f"within the timeout{extra}; check that they run, share the same {SECRET_ENV}, "
-                    "and can reach this host") from None
-            peer = self._handshake(sock, waiting, job, deadline)
-            if peer is None:
-                refused += 1
-                sock.close()
-                continue
-            waiting.discard(peer)
-            self._add(peer, sock)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:      # out of descriptors and the like: the peer retries, we do not spin
+                time.sleep(0.05)
+                return
+            if len(pending) >= MAX_PENDING:
+                oldest = min(pending, key=lambda s: pending[s].deadline)
+                Transport._forget(sel, pending, oldest)
+            sock.setblocking(False)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            pending[sock] = _Handshake(sock, until)
+            sel.register(sock, selectors.EVENT_READ)
 
-    def _handshake(self, sock, waiting, job, deadline) -> int | None:
-        """The connecting rank, or None when it is not one we wait for or
-        cannot prove the job and the secret."""
-        nonce = os.urandom(16)
+    @staticmethod
+    def _forget(sel, pending, sock) -> None:
+        pending.pop(sock, None)
         try:
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            magic, version, _, peer, their_nonce, their_job = HELLO.unpack(recv_exact(sock, HELLO.size, CLOSED))
-            if (magic, version, their_job) != (HELLO_MAGIC, VERSION, job) or peer not in waiting:
-                return None
-            sock.sendall(HELLO.pack(HELLO_MAGIC, VERSION, 0, self.rank, nonce, job)
-                         + self._proof(b"accept", their_nonce, job))
-            if not hmac.compare_digest(recv_exact(sock, PROOF_BYTES, CLOSED), self._proof(b"connect", nonce, job)):
-                return None
-            sock.sendall(b"\1")
-            sock.settimeout(None)
-            return peer
-        except (OSError, ConnectionError):
-            return None
+            sel.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        sock.close()
 
     # ------------------------------------------------------------ the I/O thread
 

@@ -3,12 +3,13 @@
 ``run_ranks``  runs a module-level function as N ranks in real processes and
                returns what each returned (see tests/ranks.py for the details).
 
-``no_leaks``   (autouse) gives every test its own SHMDIST_JOB_ID, so the
-               shared-memory segments of the test (in this process and every
-               process started from it) are named /dev/shm/shmdist-<job>-*.
-               After the test it fails the test if any of those remain, or
-               if a child process of this process is still alive; it removes
-               what it found, so that one leak does not fail the next tests.
+``no_leaks``   (autouse) gives every test its own SHMDIST_JOB_ID. Segments
+               have no name (memfd), so nothing of a test should ever appear
+               under /dev/shm; as a belt, after the test it fails the test if
+               a /dev/shm/shmdist-<job>-* entry exists (what older, named
+               segments were called), or if a child process of this process
+               is still alive; it removes what it found, so that one leak
+               does not fail the next tests.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ the test checks that
   figures: run with ``-s`` to see them), or finishes cleanly when the dead
   rank's part was already done;
 - no survivor hangs (every run has a timeout);
-- no /dev/shm/shmdist-* entry is left (the autouse ``no_leaks`` fixture).
+- nothing is left in /dev/shm (segments have no name; the autouse ``no_leaks`` fixture checks).
 
 The victim kills itself at a precise point by wrapping one internal
 function in its own process only (no test hook exists in the library):
@@ -141,16 +141,14 @@ def test_sigkill_during_rendezvous(run_ranks, tmp_path, no_leaks, world_size, vi
         if v == 0:
             assert "rank 0" in res["message"], res["message"]    # it served the store
     assert max(times) < INIT_TIMEOUT_S + MAX_DETECT_S
-    _remove_known_leak(f"rendezvous n={world_size} victim={v}", no_leaks)
+    _assert_no_leak(f"rendezvous n={world_size} victim={v}", no_leaks)
 
 
-def _remove_known_leak(case: str, job: str) -> None:
-    """A rank that dies during init can leave the host segment behind (the
-    xfail test below); the launcher sweeps it. Report it and remove it so the
-    leak check does not error this test, which is about the survivors."""
-    for path in glob.glob(f"/dev/shm/shmdist-{job}-*"):
-        print(f"FAULT {case}: left behind {path} (removed by the test)")
-        os.unlink(path)
+def _assert_no_leak(case: str, job: str) -> None:
+    """Segments have no name (memfd), so a rank that dies during init can
+    leave nothing in /dev/shm: assert it (this once removed a known leak)."""
+    left = glob.glob(f"/dev/shm/*{job}*")
+    assert left == [], f"{case}: left behind {left}"
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -160,8 +158,7 @@ def test_sigkill_while_mapping_shared_memory(run_ranks, tmp_path, no_leaks, worl
     the host segment, before telling the store. file:// rendezvous, so that
     the store outlives every rank and the survivors see only the dead peer.
 
-    The segment may be left in /dev/shm (see the xfail test below); this test
-    checks the survivors and removes what was left so the next tests run."""
+    Nothing is left in /dev/shm: the segment has no name."""
     v = 0 if victim == "creator" else world_size - 1
     death_file = str(tmp_path / "death")
     results = run_ranks(dies_in_init, world_size, "mapping", v, death_file, errors="return",
@@ -172,7 +169,7 @@ def test_sigkill_while_mapping_shared_memory(run_ranks, tmp_path, no_leaks, worl
         assert res["end"] == "error", f"rank {r} finished init although rank {v} died in it"
         assert res["type"] == "DistPeerError" and f"rank {v}" in res["message"], res
     assert max(times) < MAX_DETECT_S
-    _remove_known_leak(f"mapping n={world_size} victim={v}", no_leaks)
+    _assert_no_leak(f"mapping n={world_size} victim={v}", no_leaks)
 
 
 def test_no_segment_left_when_the_creator_dies_while_mapping(run_ranks, tmp_path, no_leaks):
@@ -188,18 +185,14 @@ def test_no_segment_left_when_a_rank_dies_during_init(run_ranks, tmp_path, no_le
     death_file = str(tmp_path / "death")
     run_ranks(dies_in_init, 2, phase, victim, death_file, errors="return", timeout=RUN_TIMEOUT_S,
               init_method=f"file://{tmp_path}/store")
-    left = glob.glob(f"/dev/shm/shmdist-{no_leaks}-*")
-    for path in left:
-        os.unlink(path)     # so that the leak check does not error the test: this test reports it
-    assert left == []
+    assert glob.glob(f"/dev/shm/*{no_leaks}*") == []
 
 
 def test_a_rank_killed_while_mapping_is_named_within_the_bound(run_ranks, tmp_path):
     death_file = str(tmp_path / "death")
     results = run_ranks(dies_in_init_slowly, 2, death_file, errors="return", timeout=RUN_TIMEOUT_S,
                         init_method=f"file://{tmp_path}/store")
-    for path in glob.glob(f"/dev/shm/shmdist-{os.environ['SHMDIST_JOB_ID']}-*"):
-        os.unlink(path)     # the leak is the other xfail test's business
+    assert glob.glob(f"/dev/shm/*{os.environ['SHMDIST_JOB_ID']}*") == []
     death, survivors = _survivors(results, 1, death_file)
     res = survivors[0]
     assert res["end"] == "error" and "rank 1" in res["message"], res

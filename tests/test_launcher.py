@@ -228,19 +228,35 @@ def test_a_signal_to_the_launcher_ends_every_rank(tmp_path, sig):
 
 
 @pytest.mark.parametrize("code", [0, 1])
-def test_leftover_segments_of_the_job_are_removed(tmp_path, code):
+def test_the_job_puts_nothing_in_dev_shm_and_the_launcher_sweeps_nothing(tmp_path, code):
+    """Segments have no name, so there is nothing to sweep: while the job
+    runs, no rank maps or opens anything under /dev/shm, and the launcher
+    leaves /dev/shm alone (it no longer removes what others put there)."""
     path = script(tmp_path, RECORD_PID, f"""
+        import shmdist as dist
+        dist.init_process_group()
+        dist.new_group([0, 1])
+        uses = [l for l in open("/proc/self/maps") if "/dev/shm/" in l]
+        uses += [os.readlink(f"/proc/self/fd/{{fd}}") for fd in os.listdir("/proc/self/fd")
+                 if os.path.exists(f"/proc/self/fd/{{fd}}")
+                 and os.readlink(f"/proc/self/fd/{{fd}}").startswith("/dev/shm/")]
+        print(f"uses of /dev/shm: {{len(uses)}}", flush=True)
         wait_for_everyone()
         if rank == 0:
             open(f"/dev/shm/shmdist-{{os.environ['SHMDIST_JOB_ID']}}-x", "w").close()
+        dist.destroy_process_group()
         sys.exit({code} if rank == 0 else 0)
     """)
     result = launch("-n", "2", path, str(tmp_path))
     _, job = recorded(tmp_path, 2)
-    assert result.returncode == code
-    assert (f"shmdist-run: removed 1 shared memory segment(s) the ranks left in /dev/shm: shmdist-{job}-x"
-            in result.stderr)
-    assert glob.glob(f"/dev/shm/shmdist-{job}-*") == []
+    try:
+        assert result.returncode == code, result.stderr
+        assert result.stdout.count("uses of /dev/shm: 0") == 2, result.stdout
+        assert "removed" not in result.stderr
+        assert glob.glob(f"/dev/shm/shmdist-{job}-*") == [f"/dev/shm/shmdist-{job}-x"]
+    finally:
+        for p in glob.glob(f"/dev/shm/shmdist-{job}-*"):
+            os.unlink(p)
 
 
 @pytest.mark.parametrize("flags, message", [
