@@ -635,3 +635,123 @@ def test_non_native_byte_order_moves_values_or_raises(run_ranks):
     got = run_ranks(byte_order, 2, timeout=60)[1]
     for value in got:
         assert value == "mismatch" or value == [0, 1, 2, 3], got
+
+
+# ---------------------------------------------------------------- more wait(timeout) corners
+
+def cancelled_then(rank, world_size, init_method):
+    """Two receives posted for the same (src, tag); the first times out and is
+    cancelled, so the message sent afterwards goes to the second. The
+    cancelled request then says what happened to it."""
+    _init(rank, world_size, init_method)
+    res = {}
+    if rank == 0:
+        dist.barrier()
+        dist.send(np.arange(4, dtype=np.int64), 1, tag=5).wait()
+        dist.barrier()
+        dist.barrier()          # stays until rank 1 looked at the cancelled request
+    else:
+        a = np.full(4, -1, dtype=np.int64)
+        b = np.full(4, -1, dtype=np.int64)
+        qa = dist.recv(a, 0, tag=5)
+        qb = dist.recv(b, 0, tag=5)
+        try:
+            qa.wait(timeout=0.3)
+        except dist.DistTimeoutError as e:
+            res["first"] = "cancelled" in str(e)
+        dist.barrier()
+        qb.wait(timeout=20)
+        res["second_got_it"] = b.tolist() == [0, 1, 2, 3] and bool((a == -1).all())
+        dist.barrier()
+        res["state"] = (qa.is_completed(), type(qa.exception()).__name__)
+        try:
+            qa.wait(timeout=0.3)
+            res["again"] = "completed"
+        except dist.DistTimeoutError as e:
+            res["again"] = "cancelled" if "cancelled" in str(e) else str(e)
+        dist.barrier()
+    dist.destroy_process_group()
+    return res
+
+
+def test_a_cancelled_receive_lets_the_next_one_take_the_message(run_ranks):
+    got = run_ranks(cancelled_then, 2, timeout=60)[1]
+    assert got["first"] is True and got["second_got_it"] is True
+
+
+@pytest.mark.xfail(strict=True, reason="BROKEN (minor): a receive cancelled by wait(timeout) is never marked "
+                   "done: is_completed() stays False and exception() None forever, and a second wait() "
+                   "times out again saying 'part of the message already moved, so it stays pending: wait() "
+                   "again' (engine._time_out raises without completing the request it cancelled)")
+def test_a_cancelled_receive_reports_itself_failed(run_ranks):
+    got = run_ranks(cancelled_then, 2, timeout=60)[1]
+    assert got["state"] == (True, "DistTimeoutError") and got["again"] == "cancelled", got
+
+
+def lane_pending_mismatch(rank, world_size, init_method):
+    """The receive is posted (a pending fast-lane receive) before the
+    mismatched message comes; the message is then kept for the next one."""
+    _init(rank, world_size, init_method)
+    res = []
+    if rank == 0:
+        dist.barrier()
+        dist.send(np.arange(10, dtype=np.float32), 1).wait()
+    else:
+        q = dist.recv(np.zeros(4, dtype=np.float32), 0)
+        dist.barrier()
+        try:
+            q.wait(timeout=20)
+            res.append("no error")
+        except dist.DistMismatchError as e:
+            res.append("40 bytes" in str(e))
+        box = np.zeros(10, dtype=np.float32)
+        dist.recv(box, 0).wait(timeout=20)
+        res.append(box.tolist() == list(range(10)))
+    dist.destroy_process_group()
+    return res
+
+
+def test_mismatch_on_a_receive_posted_before_the_message(run_ranks):
+    assert run_ranks(lane_pending_mismatch, 2, timeout=60)[1] == [True, True]
+
+
+def collective_timeout(rank, world_size, init_method):
+    """A collective that times out leaves its group unusable (a clear error,
+    at once); point-to-point still works, the default group too, and a new
+    group can be made."""
+    _init(rank, world_size, init_method, timeout=30)
+    sub = dist.new_group([0, 1], timeout=1)
+    res = {}
+    if rank == 0:
+        try:
+            dist.all_reduce(np.ones(3), group=sub)
+        except dist.DistTimeoutError:
+            res["timeout"] = True
+        t0 = time.monotonic()
+        try:
+            dist.barrier(group=sub)
+            res["after"] = "worked"
+        except dist.DistTimeoutError:
+            res["after"] = "waited again"
+        except dist.DistError as e:
+            res["after"] = "unusable" in str(e) and time.monotonic() - t0 < 0.5
+    box = np.zeros(2)
+    reqs = [dist.send(np.full(2, float(rank)), 1 - rank), dist.recv(box, 1 - rank)]
+    for q in reqs:
+        q.wait()
+    res["p2p"] = box.tolist() == [float(1 - rank)] * 2
+    x = np.ones(2)
+    dist.all_reduce(x)
+    res["default"] = x.tolist() == [2.0, 2.0]
+    fresh = dist.new_group([0, 1])
+    y = np.ones(2)
+    dist.all_reduce(y, group=fresh)
+    res["fresh"] = y.tolist() == [2.0, 2.0]
+    dist.destroy_process_group()
+    return res
+
+
+def test_a_collective_timeout_leaves_its_group_unusable_but_p2p_works(run_ranks):
+    r0, r1 = run_ranks(collective_timeout, 2, timeout=60)
+    assert r0 == {"timeout": True, "after": True, "p2p": True, "default": True, "fresh": True}
+    assert r1 == {"p2p": True, "default": True, "fresh": True}
