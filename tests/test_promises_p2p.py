@@ -352,17 +352,14 @@ def test_wait_timeout_on_an_unmoved_send_cancels_it(run_ranks):
 def half_moved(rank, world_size, init_method, side):
     """A transfer whose message is half moved stays pending after
     wait(timeout) and completes, intact, when waited on again. The peer parks
-    in a barrier (which does not move point-to-point bytes) meanwhile."""
+    in a barrier (which does not move point-to-point bytes) meanwhile; the
+    receive is posted only once the send has returned, so the two cannot copy
+    the whole message at once inside the sender's first push."""
     _init(rank, world_size, init_method)
     n = 1 << 17                     # 1 MiB of float64, 16 rings
     res = []
-    waiter = 0 if side == "send" else 1
-    if rank == 0:
-        q = dist.send(_payload(3, n), 1)
-    else:
-        box = np.zeros(n)
-        q = dist.recv(box, 0)
-    if rank == waiter:
+
+    def timeouts(q):
         for _ in range(2):          # twice: a second timeout must not break it either
             try:
                 q.wait(timeout=0.3)
@@ -370,7 +367,22 @@ def half_moved(rank, world_size, init_method, side):
             except dist.DistTimeoutError as e:
                 res.append("stays pending" in str(e))
         res.append(q.is_completed())
-    dist.barrier()
+
+    if rank == 0:
+        q = dist.send(_payload(3, n), 1)
+        if side == "send":
+            timeouts(q)
+            dist.barrier()
+        else:
+            dist.barrier()
+            dist.barrier()          # rank 1 times out meanwhile
+    else:
+        dist.barrier()
+        box = np.zeros(n)
+        q = dist.recv(box, 0)
+        if side == "recv":
+            timeouts(q)
+            dist.barrier()
     res.append(q.wait())
     if rank == 1:
         res.append(bool(np.array_equal(box, _payload(3, n))))
