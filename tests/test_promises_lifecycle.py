@@ -331,3 +331,60 @@ def threads_two_groups(rank, world_size, init_method, rounds):
 
 def test_threads_use_point_to_point_and_a_subgroups_collectives_at_once(run_ranks):
     assert run_ranks(threads_two_groups, 2, 300, timeout=120) == [[], []]
+
+
+# ---------------------------------------------------------------- init methods and error texts
+
+def via_method(rank, world_size, init_method, method):
+    dist.init_process_group(backend="gloo", init_method=method, rank=rank, world_size=world_size)
+    x = np.full(2, rank + 1.0)
+    dist.all_reduce(x)
+    ok = x.tolist() == [3.0, 3.0] and dist.get_rank() == rank and dist.get_world_size() == 2
+    dist.destroy_process_group()
+    return ok
+
+
+def test_file_and_env_init_methods(run_ranks, tmp_path):
+    assert run_ranks(via_method, 2, f"file://{tmp_path}/rdv", timeout=60) == [True, True]
+    port = free_port()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    assert run_ranks(via_method, 2, "env://", timeout=60, env=env) == [True, True]
+    assert run_ranks(via_method, 2, None, timeout=60, env={**env, "MASTER_PORT": str(free_port())}) == [True, True]
+
+
+def error_texts(rank, world_size, init_method):
+    """Bad calls of every family: each message names the rank and the
+    operation (README: 'every message names the rank, the operation, what was
+    expected and what to do')."""
+    _init(rank, world_size, init_method, timeout=20)
+    sub = dist.new_group([0, 1])
+    out = []
+    if rank == 0:
+        ro = np.zeros(3)
+        ro.flags.writeable = False
+        calls = {
+            "send": lambda: dist.send(np.zeros(3), 0),                  # to itself
+            "recv": lambda: dist.recv(np.zeros(3), 5),                  # no such rank
+            "recv ": lambda: dist.recv(ro, 1),                          # read-only buffer
+            "send  ": lambda: dist.send(np.zeros(3), 1, tag=1 << 70),   # tag too big
+            "broadcast": lambda: dist.broadcast(np.zeros(3), 7),
+            "all_reduce": lambda: dist.all_reduce(np.zeros(3), "NOPE"),
+            "gather": lambda: dist.gather(np.zeros(3), [np.zeros(3)], 0),
+            "new_group": lambda: dist.new_group([0, 0]),
+            "all_to_all_single": lambda: dist.all_to_all_single(np.zeros(3), np.zeros(3)),
+            "scatter_object_list": lambda: dist.scatter_object_list([], [1, 2], 0),
+        }
+        for op, call in calls.items():
+            try:
+                call()
+                out.append((op, "no error"))
+            except (dist.DistError, TypeError, ValueError) as e:
+                out.append((op, "rank 0" in str(e) and op.strip() in str(e)))
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def test_error_messages_name_the_rank_and_the_operation(run_ranks):
+    got = run_ranks(error_texts, 2, timeout=60)[0]
+    assert got and all(ok is True for _, ok in got), got
