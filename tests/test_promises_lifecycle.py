@@ -86,8 +86,10 @@ def test_init_destroy_init_again_with_the_same_init_method(run_ranks):
 
 def new_group_disagree(rank, world_size, init_method, variant):
     _init(rank, world_size, init_method, timeout=10)
-    if variant == "overlap":          # ranks 0, 1 ask for [0, 1]; rank 2 for [1, 2]
+    if variant == "overlap":          # ranks 0, 1 ask for [0, 1]; rank 2 for [1, 2], a little later
         ranks = [1, 2] if rank == 2 else [0, 1]
+        if rank == 2:
+            time.sleep(1.0)           # ordering only: ranks 0 and 1 have mapped "their" arena by then
     else:                             # ranks 0, 1 ask for [0, 2]; rank 2 for [0, 1]
         ranks = [0, 1] if rank == 2 else [0, 2]
     res = []
@@ -120,10 +122,22 @@ def _take_leaked(job: str) -> list:
 
 def test_new_group_with_disagreeing_ranks_raises_mismatch_on_every_rank(run_ranks, no_leaks):
     """The promise as README words it: DistMismatchError on every rank."""
-    for variant in ("overlap", "disjoint"):
-        got = run_ranks(new_group_disagree, 3, variant, timeout=60, errors="return")
-        _take_leaked(no_leaks)
-        assert [g[0] for g in got] == ["mismatch"] * 3, (variant, got)
+    got = run_ranks(new_group_disagree, 3, "disjoint", timeout=60, errors="return")
+    _take_leaked(no_leaks)
+    assert [g[0] for g in got] == ["mismatch"] * 3, got
+
+
+@pytest.mark.xfail(strict=True, reason="BROKEN: ranks 0, 1 call new_group([0, 1]) and rank 2, a little later, "
+                   "new_group([1, 2]): ranks 0 and 1 create and map the arena stored under the group id's key "
+                   "and unlink it (two of two mapped); rank 2 reads the same key (its group has the same id), "
+                   "fails to attach ('segment ... is gone before this rank mapped it', a DistError, not a "
+                   "mismatch) and leaves, so ranks 0 and 1 get DistPeerError 'rank 2 died while the job was being "
+                   "set up' instead of DistMismatchError (group.new_group opens the arena before it compares "
+                   "the ranks lists; collectives.open_group keys it by gid only)")
+def test_new_group_overlapping_disagreement_raises_mismatch_on_every_rank(run_ranks, no_leaks):
+    got = run_ranks(new_group_disagree, 3, "overlap", timeout=60, errors="return")
+    _take_leaked(no_leaks)
+    assert [g[0] if isinstance(g, list) else g for g in got] == ["mismatch"] * 3, got
 
 
 @pytest.mark.xfail(strict=True, reason="BROKEN: after new_group's DistMismatchError the job cannot make "
