@@ -16,6 +16,10 @@ import pytest
 import shmdist as dist
 
 SMALL_RING = {"SHMDIST_RING_BYTES": "65536"}
+# tests that stall a transfer by filling a 64 KiB ring: over TCP the kernel's socket buffers and
+# the I/O thread move the bytes anyway, so the premise does not hold there
+RING_ONLY = pytest.mark.skipif(os.environ.get("SHMDIST_TRANSPORT", "").lower() == "tcp",
+                               reason="stalls a transfer by filling the shared-memory ring")
 
 
 def _init(rank, world_size, init_method, **kw):
@@ -345,6 +349,7 @@ def unmoved_send(rank, world_size, init_method):
     return res
 
 
+@RING_ONLY
 def test_wait_timeout_on_an_unmoved_send_cancels_it(run_ranks):
     assert run_ranks(unmoved_send, 2, timeout=60, env=SMALL_RING) == [[True], [True, True]]
 
@@ -390,6 +395,7 @@ def half_moved(rank, world_size, init_method, side):
     return res
 
 
+@RING_ONLY
 @pytest.mark.parametrize("side", ["send", "recv"])
 def test_wait_timeout_on_a_half_moved_message_then_wait_again(run_ranks, side):
     got = run_ranks(half_moved, 2, side, timeout=60, env=SMALL_RING)
@@ -489,6 +495,7 @@ def pending_at_destroy(rank, world_size, init_method):
     return res
 
 
+@RING_ONLY
 def test_requests_pending_at_destroy_fail(run_ranks):
     assert run_ranks(pending_at_destroy, 2, timeout=60, env=SMALL_RING)[0] == [True] * 5 + [[True] * 5]
 
