@@ -402,3 +402,22 @@ def error_texts(rank, world_size, init_method):
 def test_error_messages_name_the_rank_and_the_operation(run_ranks):
     got = run_ranks(error_texts, 2, timeout=60)[0]
     assert got and all(ok is True for _, ok in got), got
+
+
+def reinit_other_sizes(rank, world_size, init_method, ports):
+    """World of 3, then of 2 (rank 2 sits out), then of 3 again, in the same
+    processes: the second job's ranks, rings and lanes must not remember the first."""
+    oks = []
+    plan = [(init_method, 3), (f"tcp://127.0.0.1:{ports[0]}", 2), (f"tcp://127.0.0.1:{ports[1]}", 3)]
+    for i, (method, size) in enumerate(plan):
+        if rank >= size:
+            continue
+        _init(rank, size, method, timeout=30)
+        oks.append(bool(_round_trip(rank, size, i)) and dist.get_world_size() == size)
+        dist.destroy_process_group()
+    return oks
+
+
+def test_init_destroy_init_with_another_world_size(run_ranks):
+    got = run_ranks(reinit_other_sizes, 3, [free_port(), free_port()], timeout=120)
+    assert got == [[True] * 3, [True] * 3, [True] * 2]

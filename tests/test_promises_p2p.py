@@ -822,3 +822,77 @@ def test_short_named_datetime_and_string_dtypes_move(run_ranks):
 def test_structured_dtypes_with_other_fields_are_not_reinterpreted(run_ranks):
     got = run_ranks(same_dtype, 2, [("a", "<i4"), ("b", "<f8")], [("b", "<f8"), ("a", "<i4")], timeout=60)[1]
     assert got == "same values" or got.startswith("mismatch"), got
+
+
+# ---------------------------------------------------------------- groups, global ranks, threads
+
+def any_source_in_a_subgroup(rank, world_size, init_method):
+    """recv(src=None, group=sub) takes only messages of that group, and
+    ``source`` is the sender's global rank; roots are global ranks too."""
+    _init(rank, world_size, init_method)
+    sub = dist.new_group([0, 2])                 # global 2 is group rank 1
+    res = {}
+    if rank == 1:
+        dist.send(np.full(3, 1.0), 0).wait()     # default group, same tag, arrives first
+        dist.barrier()
+    elif rank == 2:
+        dist.barrier()
+        dist.send(np.full(3, 2.0), 0, group=sub).wait()
+    else:
+        dist.barrier()
+        box = np.zeros(3)
+        q = dist.recv(box, None, group=sub)
+        q.wait()
+        res["sub"] = (q.source, box.tolist())
+        other = np.zeros(3)
+        q = dist.recv(other, None)
+        q.wait()
+        res["default"] = (q.source, other.tolist())
+    if rank != 1:
+        x = np.full(2, float(rank))
+        dist.broadcast(x, 2, group=sub)
+        res["bcast"] = x.tolist()
+    dist.destroy_process_group()
+    return res
+
+
+def test_any_source_in_a_subgroup_and_global_ranks(run_ranks):
+    r0, _, r2 = run_ranks(any_source_in_a_subgroup, 3, timeout=60)
+    assert r0 == {"sub": (2, [2.0] * 3), "default": (1, [1.0] * 3), "bcast": [2.0, 2.0]}
+    assert r2 == {"bcast": [2.0, 2.0]}
+
+
+def threads_same_peer(rank, world_size, init_method, rounds):
+    """Three threads send to and receive from the same peer at once, each on
+    its own tag, with sizes on both sides of the lane's no-GIL copy."""
+    _init(rank, world_size, init_method, timeout=60)
+    errors = []
+
+    def worker(tag):
+        try:
+            for i in range(rounds):
+                n = (17, 20000, 300000)[(i + tag) % 3]
+                box = np.zeros(n, dtype=np.int32)
+                reqs = [dist.send(np.full(n, rank * 1000 + tag * 100 + i % 100, dtype=np.int32), 1 - rank, tag=tag),
+                        dist.recv(box, 1 - rank, tag=tag)]
+                for q in reqs:
+                    q.wait()
+                want = (1 - rank) * 1000 + tag * 100 + i % 100
+                if not (box == want).all():
+                    errors.append((tag, i, int(box[0]), want))
+        except Exception as e:  # noqa: BLE001
+            errors.append((tag, repr(e)))
+
+    import threading
+    ts = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    dist.barrier()
+    dist.destroy_process_group()
+    return errors
+
+
+def test_threads_sharing_one_peer(run_ranks):
+    assert run_ranks(threads_same_peer, 2, 60, timeout=120) == [[], []]
