@@ -421,3 +421,53 @@ def reinit_other_sizes(rank, world_size, init_method, ports):
 def test_init_destroy_init_with_another_world_size(run_ranks):
     got = run_ranks(reinit_other_sizes, 3, [free_port(), free_port()], timeout=120)
     assert got == [[True] * 3, [True] * 3, [True] * 2]
+
+
+def destroy_while_another_thread_waits(rank, world_size, init_method, what):
+    """A thread blocked in wait() (or in a collective) while the main thread
+    calls destroy_process_group: README says pending requests fail with a
+    DistError; the process must not crash on memory unmapped under it."""
+    _init(rank, world_size, init_method, timeout=30)
+    out = {}
+    if rank == 0:
+        started = threading.Event()
+
+        def waiter():
+            try:
+                if what == "recv":
+                    q = dist.recv(np.zeros(4), 1, tag=42)
+                    started.set()
+                    q.wait()
+                else:
+                    started.set()
+                    dist.all_reduce(np.ones(4))
+                out["waiter"] = "completed"
+            except dist.DistError as e:
+                out["waiter"] = type(e).__name__
+            except BaseException as e:  # noqa: BLE001
+                out["waiter"] = f"{type(e).__name__}: {e}"
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        started.wait()
+        time.sleep(0.5)                 # ordering only: the thread is asleep in its wait by then
+        dist.destroy_process_group()
+        t.join(20)
+        out["joined"] = not t.is_alive()
+        return out
+    time.sleep(2.0)                     # rank 1 stays up without calling anything, then leaves
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.xfail(strict=True, reason="BROKEN: destroy_process_group while another thread is blocked in "
+                   "wait() on a receive, or inside all_reduce, kills the process with SIGSEGV (exit -11) instead "
+                   "of failing the request with a DistError: World.close unmaps the segment / arena "
+                   "(group.py World.close -> host.close, coll.close) while the waiter still reads the doorbell "
+                   "or phase words (engine.wait_for -> _core.bell_value/wait_bell; collectives._sleep_until -> "
+                   "_core.wait_phase)")
+@pytest.mark.parametrize("what", ["recv", "all_reduce"])
+def test_destroy_while_another_thread_waits(run_ranks, what):
+    got = run_ranks(destroy_while_another_thread_waits, 2, what, timeout=60, errors="return")
+    assert isinstance(got[0], dict), got
+    assert got[0]["joined"] and got[0]["waiter"] in ("DistError", "DistPeerError", "DistTimeoutError"), got
