@@ -428,6 +428,7 @@ def destroy_while_another_thread_waits(rank, world_size, init_method, what):
     calls destroy_process_group: README says pending requests fail with a
     DistError; the process must not crash on memory unmapped under it."""
     _init(rank, world_size, init_method, timeout=30)
+    sub = dist.new_group([0, 1])
     out = {}
     if rank == 0:
         started = threading.Event()
@@ -438,6 +439,9 @@ def destroy_while_another_thread_waits(rank, world_size, init_method, what):
                     q = dist.recv(np.zeros(4), 1, tag=42)
                     started.set()
                     q.wait()
+                elif what == "subgroup all_reduce":
+                    started.set()
+                    dist.all_reduce(np.ones(4), group=sub)
                 else:
                     started.set()
                     dist.all_reduce(np.ones(4))
@@ -451,8 +455,10 @@ def destroy_while_another_thread_waits(rank, world_size, init_method, what):
         t.start()
         started.wait()
         time.sleep(0.5)                 # ordering only: the thread is asleep in its wait by then
-        dist.destroy_process_group()
+        dist.destroy_process_group(sub if what == "subgroup all_reduce" else None)
         t.join(20)
+        if what == "subgroup all_reduce":
+            dist.destroy_process_group()
         out["joined"] = not t.is_alive()
         return out
     time.sleep(2.0)                     # rank 1 stays up without calling anything, then leaves
@@ -460,13 +466,13 @@ def destroy_while_another_thread_waits(rank, world_size, init_method, what):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN: destroy_process_group while another thread is blocked in "
-                   "wait() on a receive, or inside all_reduce, kills the process with SIGSEGV (exit -11) instead "
+@pytest.mark.xfail(strict=True, reason="BROKEN: destroy_process_group (or of a subgroup) while another thread is "
+                   "blocked in wait() on a receive, or inside all_reduce, kills the process with SIGSEGV (exit -11) instead "
                    "of failing the request with a DistError: World.close unmaps the segment / arena "
                    "(group.py World.close -> host.close, coll.close) while the waiter still reads the doorbell "
                    "or phase words (engine.wait_for -> _core.bell_value/wait_bell; collectives._sleep_until -> "
                    "_core.wait_phase)")
-@pytest.mark.parametrize("what", ["recv", "all_reduce"])
+@pytest.mark.parametrize("what", ["recv", "all_reduce", "subgroup all_reduce"])
 def test_destroy_while_another_thread_waits(run_ranks, what):
     got = run_ranks(destroy_while_another_thread_waits, 2, what, timeout=60, errors="return")
     assert isinstance(got[0], dict), got
