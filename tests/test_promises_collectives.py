@@ -196,20 +196,12 @@ def one_rank_inconsistent(rank, world_size, init_method, case):
     return res
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN: when one rank's own arguments are inconsistent (all_gather "
-                   "input 5 elements, tensor_list of 4; all_gather_into_tensor output of the wrong size) that "
-                   "rank alone raises DistMismatchError before the first phase (collective_api._same / "
-                   "_split_check); the others wait, then meet its *next* collective and raise a mismatch there, "
-                   "so the recovery all_reduce fails on every rank: not 'all raise ... and the group stays usable'")
 @pytest.mark.parametrize("case", ["all_gather_own_size", "all_gather_into_tensor_output"])
 def test_one_rank_with_inconsistent_sizes_all_raise_and_recover(run_ranks, case):
     got = run_ranks(one_rank_inconsistent, 2, case, timeout=60, errors="return")
     assert got == [["mismatch", [2.0, 2.0, 2.0]]] * 2, got
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN (arguable: rank 1's call is invalid on its own): rank 0 "
-                   "all_reduce(SUM), rank 1 all_reduce(BAND) on float32; rank 1 raises a local DistError "
-                   "(reduce_ops.check), rank 0 gets no error for it, and the group is out of step afterwards")
 def test_one_rank_with_an_op_its_dtype_cannot_take(run_ranks):
     got = run_ranks(one_rank_inconsistent, 2, "op_for_dtype", timeout=60, errors="return")
     assert [g[1] for g in got] == [[2.0, 2.0, 2.0]] * 2, got
@@ -256,11 +248,6 @@ def test_all_to_all_with_uneven_split_sizes_on_every_rank(run_ranks):
         assert list(got[r]) == list(_a2a_reference(splits, r)), (r, got[r])
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN: all_to_all_single / all_to_all with valid split sizes that "
-                   "happen to be all equal on one rank (rank 0: in [2,2], out [2,2]) but not on another (rank 1: "
-                   "in [2,5], out [2,5]) raise DistMismatchError on both ranks: collective_api._exchange picks "
-                   "the arena path on rank 0 and the point-to-point path on rank 1 from each rank's own sizes, "
-                   "so their descriptors differ (error even says 'rank 1 called all_to_all(0 bytes)')")
 @pytest.mark.parametrize("splits", [[[2, 2], [2, 5]], [[1, 0], [0, 0]]], ids=["2-2-vs-2-5", "one-row-vs-none"])
 def test_all_to_all_single_even_on_one_rank_uneven_on_another(run_ranks, splits):
     got = run_ranks(a2a_uneven, 2, splits, timeout=60, errors="return")

@@ -647,10 +647,6 @@ def byte_order(rank, world_size, init_method):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN: a big-endian numpy array ('>f4') goes out under the dtype "
-                   "name 'float32' (engine.make_header / tensors._numpy_name use dtype.name, which ignores "
-                   "byte order), so a little-endian receive accepts it and gets byte-swapped garbage "
-                   "(4.6e-41 for 1.0): silently wrong data instead of the values or a DistMismatchError")
 def test_non_native_byte_order_moves_values_or_raises(run_ranks):
     got = run_ranks(byte_order, 2, timeout=60)[1]
     for value in got:
@@ -801,12 +797,6 @@ def same_dtype(rank, world_size, init_method, sent, received):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN: a numpy dtype whose name is longer than 16 bytes "
-                   "('timedelta64[100ns]', 18) cannot be received into the very same dtype: the header keeps "
-                   "16 bytes of the name (engine.make_header '16s' / HDR) while engine._fits compares the full "
-                   "name, so a receive of a message that was drained aside first raises DistMismatchError "
-                   "('got ... (timedelta64[100n[3])'); one posted before the message arrives passes, as the "
-                   "ring's take compares only 16 bytes")
 def test_a_dtype_with_a_long_name_reaches_the_same_dtype(run_ranks):
     assert run_ranks(same_dtype, 2, "timedelta64[100ns]", "timedelta64[100ns]", timeout=60)[1] == "same values"
 
@@ -816,10 +806,6 @@ def test_short_named_datetime_and_string_dtypes_move(run_ranks):
         assert run_ranks(same_dtype, 2, dt, dt, timeout=60)[1] == "same values", dt
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN (arguable): structured dtypes are identified by dtype.name "
-                   "('void96'), so an array of fields (a: int32, b: float64) is accepted by a receive of fields "
-                   "(b: float64, a: int32) and read back as other values: the silent reinterpretation README "
-                   "says shmdist does not do ('gloo reinterprets silently')")
 def test_structured_dtypes_with_other_fields_are_not_reinterpreted(run_ranks):
     got = run_ranks(same_dtype, 2, [("a", "<i4"), ("b", "<f8")], [("b", "<f8"), ("a", "<i4")], timeout=60)[1]
     assert got == "same values" or got.startswith("mismatch"), got
