@@ -13,7 +13,7 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, 
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from shmdist._core cimport (sd_load64, sd_store64, sd_load32, sd_store32, sd_add32,
                             sd_fence, sd_relax, sd_futex_wait, sd_futex_wake, sd_yield, sd_cma_read,
-                            sd_copy_nt)
+                            sd_copy_nt, sd_reduce_half, sd_half_level, sd_half_set_limit)
 
 # Layout of a per-process control block (CTL_BYTES each, in the job segment).
 cdef enum:
@@ -374,7 +374,11 @@ cdef inline int _all_reached(const uint8_t *flags, size_t stride, int n, uint64_
     return 1
 
 
-cdef size_t[4] _ITEMSIZE = [4, 8, 4, 8]    # bytes of reduce_rows' kinds
+cdef size_t[6] _ITEMSIZE = [4, 8, 4, 8, 2, 2]    # bytes of reduce_rows' kinds
+KIND_BFLOAT16, KIND_FLOAT16 = 4, 5               # the 16-bit kinds: float32 sums, one rounding (_half.h)
+_BF16_PLAN = (KIND_BFLOAT16, b"bfloat16")
+import numpy as _np
+_F16 = _np.dtype("float16")
 
 
 ctypedef fused _num:
@@ -422,7 +426,9 @@ cdef inline size_t _part_start(size_t count, int n, int j) noexcept nogil:
 
 cdef void _reduce_parts_kind(int kind, int op, size_t out, const size_t *ins, int n,
                              size_t count) noexcept nogil:
-    if kind == 0:
+    if kind >= 4:       # bfloat16, float16: op 0 SUM, 1 PRODUCT, 7 AVG (the sum divided by n)
+        sd_reduce_half(kind - 4, op, <uint16_t *>out, <const uint16_t *const *>ins, n, count, <float>n)
+    elif kind == 0:
         _reduce_parts[float](<float *>out, ins, n, count, op)
     elif kind == 1:
         _reduce_parts[double](<double *>out, ins, n, count, op)
@@ -434,7 +440,8 @@ cdef void _reduce_parts_kind(int kind, int op, size_t out, const size_t *ins, in
 
 def reduce_rows(int kind, int op, size_t out, size_t first, size_t stride, int n, size_t count):
     """The C reduction of small all_reduce (see _reduce_parts); ``kind`` 0
-    float32, 1 float64, 2 int32, 3 int64."""
+    float32, 1 float64, 2 int32, 3 int64, 4 bfloat16, 5 float16 (these two:
+    see reduce_half)."""
     _reduce_kind(kind, op, out, first, stride, n, count)
 
 
@@ -453,6 +460,65 @@ cdef int _reduce_kind(int kind, int op, size_t out, size_t first, size_t stride,
     if ins != &near[0]:
         free(ins)
     return 0
+
+
+def half_level():
+    """Which build of the 16-bit reductions this CPU runs: 2 AVX-512, 1 AVX2
+    with F16C, 0 plain C (after any cap set_half_limit put)."""
+    return sd_half_level()
+
+
+def set_half_limit(int level):
+    """Cap the build half_level() picks (tests run every build this CPU has)."""
+    sd_half_set_limit(level)
+
+
+def reduce_half(out, inputs, int op, str dtype, int count):
+    """out = inputs[0] op inputs[1] op ... for bfloat16 (arrays of its uint16
+    bits) or float16: each element widened to float32, combined in rank
+    order, AVG (op 7) divided by ``count``, rounded once to nearest even,
+    NaN kept: bit for bit reduce_ops' numpy path. ``op`` 0 SUM, 1 PRODUCT,
+    7 AVG. Returns False, doing nothing, when it does not apply (another
+    dtype or op, arrays not C-contiguous or not all of out's size, out not
+    writable or overlapping an input other than at the same address)."""
+    cdef Py_buffer ov
+    cdef Py_buffer iv
+    cdef size_t[64] ins
+    cdef int n = len(inputs), j, f16
+    cdef size_t nbytes, lo, hi, a
+    if dtype == "bfloat16":
+        f16 = 0
+    elif dtype == "float16":
+        f16 = 1
+    else:
+        return False
+    if op not in (0, 1, 7) or n < 1 or n > 64 or count < 1:
+        return False
+    try:
+        PyObject_GetBuffer(out, &ov, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+    except (BufferError, ValueError):
+        return False
+    try:
+        nbytes = ov.len
+        if nbytes % 2:
+            return False
+        lo, hi = <size_t>ov.buf, <size_t>ov.buf + nbytes
+        for j in range(n):
+            try:
+                PyObject_GetBuffer(inputs[j], &iv, PyBUF_C_CONTIGUOUS)
+            except (BufferError, ValueError):
+                return False
+            a = <size_t>iv.buf
+            PyBuffer_Release(&iv)
+            if <size_t>iv.len != nbytes or (a != lo and a < hi and a + nbytes > lo):
+                return False
+            ins[j] = a      # the caller keeps the inputs alive for this call
+        with nogil:
+            sd_reduce_half(f16, op, <uint16_t *>ov.buf, <const uint16_t *const *>&ins[0], n, nbytes // 2,
+                           <float>count)
+        return True
+    finally:
+        PyBuffer_Release(&ov)
 
 
 def wait_phase(size_t flags, size_t stride, int n, uint64_t target, size_t ctl,
@@ -882,7 +948,8 @@ cdef class Phaser:
         self.acquire, self.release = lock.acquire, lock.release
         self.barrier_desc = barrier_desc
         self.bufs, self.slot = bufs, slot
-        self.kinds, self.all_reduce_index = kinds, all_reduce_index
+        self.kinds, self.all_reduce_index = dict(kinds), all_reduce_index
+        self.kinds.setdefault(_F16, (KIND_FLOAT16, b"float16"))
         self.broken = None
 
     @property
@@ -971,33 +1038,38 @@ cdef class Phaser:
         """A whole barrier: 2 or 1 when passed; -2, 0 and -1 as for _call."""
         return self._call(PyBytes_AS_STRING(self.barrier_desc), len(self.barrier_desc), NULL, 0, 0, 0)
 
-    cpdef object plan(self, dtype, op):
+    cpdef object plan(self, dtype, op, name=None):
         """(reduce_parts kind, op code, dtype name) when the C reduction
         takes ``dtype`` and ReduceOp ``op``, else None (other dtypes, AVG and
-        bitwise ops, and MIN/MAX of floats, whose NaN rules are numpy's)."""
-        plan = self.kinds.get(dtype)
+        bitwise ops, and MIN/MAX of floats, whose NaN rules are numpy's).
+        ``name``: the buffer's dtype name when numpy's differs from it
+        ("bfloat16" travels as uint16 arrays)."""
+        plan = _BF16_PLAN if name == "bfloat16" else self.kinds.get(dtype)
         if plan is None or not PyLong_Check(op):
             return None
         kind, name = plan
         code = PyLong_AsLong(op)
+        if kind >= 4:       # the 16-bit floats: SUM, PRODUCT, AVG
+            return (kind, code, name) if code in (0, 1, 7) else None
         if code < 0 or code > 3 or (code >= 2 and kind <= 1):
             return None
         return kind, code, name
 
-    def all_reduce(self, arr, op, size_t most):
+    def all_reduce(self, arr, op, size_t most, dtype_name=None):
         """A whole small all_reduce of a C-contiguous writable numpy array of
         a dtype in ``kinds`` with ReduceOp ``op`` (0 SUM, 1 PRODUCT; 2 MIN and
         3 MAX for integers), reduced in C (see reduce_rows): 2 or 1 when
         done. -3: it does not qualify (or is over ``most`` bytes), nothing
         done; -2, 0 and -1 as for _call, the data already in place: the
         caller finishes with reduce_rows on buffers of parity (phase - 1) % 2.
-        The descriptor is the one collectives._DESC packs for it."""
+        The descriptor is the one collectives._DESC packs for it.
+        ``dtype_name``: "bfloat16" for a uint16 array of bfloat16 bits."""
         cdef Py_buffer view
         cdef long code
         cdef int kind
         cdef uint64_t desc[8]
         cdef bytes name
-        plan = self.plan(arr.dtype, op)
+        plan = self.plan(arr.dtype, op, dtype_name)
         if plan is None:
             return -3
         kind, code, name = plan

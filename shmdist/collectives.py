@@ -344,9 +344,9 @@ class GroupComm:
             return
         # a round's parts, plus my reduced part, fit the slot; C and Python rounds split alike
         per_round = min((self.slot // isz - 1) * n // (n + 1), self.round_bytes // isz)
-        plan = self.quick.get((dtype, op), False) if self.c_rounds else None
+        plan = self.quick.get((buf.dtype, op), False) if self.c_rounds else None
         if plan is False:
-            plan = self.quick[(dtype, op)] = self.ph.plan(dtype, op)
+            plan = self.quick[(buf.dtype, op)] = self.ph.plan(dtype, op, buf.dtype)
         if plan is not None:
             self._all_reduce_rounds(arr, plan, per_round, root, what, desc, timeout)
             return
