@@ -164,103 +164,120 @@ static void sd_half_plain(int f16, int op, uint16_t *out, const uint16_t *const 
 }
 
 #if SD_X86
-/* bfloat16 with integer vector operations: GCC vectorises these loops for the
- * target of the function they are inlined into. */
-#define SD_BF16_KERNEL(NAME, TARGET)                                                 \
-__attribute__((target(TARGET))) static void NAME(int op, uint16_t *out,              \
-        const uint16_t *const *ins, int n, size_t count, float div) {               \
-    float acc[SD_HALF_BLOCK];                                                        \
-    uint32_t *bits = (uint32_t *)acc;                                                \
-    float wide[SD_HALF_BLOCK];                                                       \
-    uint32_t *wbits = (uint32_t *)wide;                                              \
-    size_t at, m, i;                                                                 \
-    int j;                                                                           \
-    for (at = 0; at < count; at += m) {                                              \
-        m = count - at < SD_HALF_BLOCK ? count - at : SD_HALF_BLOCK;                 \
-        { const uint16_t *x = ins[0] + at; for (i = 0; i < m; i++) bits[i] = (uint32_t)x[i] << 16; } \
-        for (j = 1; j < n; j++) {                                                    \
-            const uint16_t *x = ins[j] + at;                                         \
-            for (i = 0; i < m; i++) wbits[i] = (uint32_t)x[i] << 16;                 \
-            if (op == SD_HPROD) { SD_COMBINE(*) }                                    \
-            else { SD_COMBINE(+) }                                                   \
-        }                                                                            \
-        if (op == SD_HAVG) { for (i = 0; i < m; i++) acc[i] /= div; }                \
-        {                                                                            \
-            uint16_t *o = out + at;                                                  \
-            for (i = 0; i < m; i++) {                                                \
-                uint32_t b = bits[i];                                                \
-                uint32_t r = (b + 0x7fffu + ((b >> 16) & 1)) >> 16;                  \
-                uint32_t q = (b >> 16) | 0x40;                                       \
-                o[i] = (uint16_t)((b & 0x7fffffffu) > 0x7f800000u ? q : r);          \
+/* Vector builds. One pass per 16 (AVX-512) or 8 (AVX2) elements: every input
+ * widened, combined in rank order (a NaN accumulator kept, quietened: see
+ * SD_COMBINE), AVG divided, rounded and stored; the tail in plain C.
+ * bfloat16 widening is a shift, its rounding the integer formula above; float16
+ * uses F16C (vcvtph2ps is exact; vcvtps2ph rounds to nearest even and gives
+ * numpy's bits for every float32 that is not a signalling NaN, and arithmetic
+ * never leaves one: see sd_reduce_half for the one input alone). */
+#define SD_TAIL(F16)                                                                 \
+    if (i < count) {                                                                 \
+        const uint16_t *rest[64];                                                    \
+        int k;                                                                       \
+        if (n <= 64) {                                                               \
+            for (k = 0; k < n; k++) rest[k] = ins[k] + i;                            \
+            sd_half_plain(F16, op, out + i, rest, n, count - i, div);                \
+        } else {                                                                     \
+            for (; i < count; i++) {                                                 \
+                float a = F16 ? sd_f16_f32(ins[0][i]) : sd_bf16_f32(ins[0][i]);      \
+                for (k = 1; k < n; k++)                                              \
+                    a = sd_combine1(op, a, F16 ? sd_f16_f32(ins[k][i]) : sd_bf16_f32(ins[k][i])); \
+                if (op == SD_HAVG) a /= div;                                         \
+                out[i] = F16 ? sd_f32_f16(a) : sd_f32_bf16(a);                       \
             }                                                                        \
         }                                                                            \
-    }                                                                                \
-}
-SD_BF16_KERNEL(sd_bf16_avx512, "avx512f,avx512bw,avx512vl,avx512dq")
-SD_BF16_KERNEL(sd_bf16_avx2, "avx2")
+    }
 
-/* float16 with F16C conversions (vcvtph2ps exact; vcvtps2ph round to nearest
- * even, not signalling): 16 lanes at a time with AVX-512, 8 with AVX2. */
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c")))
-static void sd_f16_avx512(int op, uint16_t *out, const uint16_t *const *ins, int n,
-                          size_t count, float div) {
+#define SD_512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,f16c"
+
+__attribute__((target(SD_512_TARGET)))
+static inline __m512 sd512_load(int f16, const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (f16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target(SD_512_TARGET)))
+static inline void sd512_store(int f16, uint16_t *p, __m512 a) {
+    __m512i b, r, q;
+    __mmask16 nan;
+    if (f16) {
+        _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        return;
+    }
+    b = _mm512_castps_si512(a);
+    r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)),
+                                           _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))), 16);
+    q = _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
+    nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, q)));
+}
+
+__attribute__((target(SD_512_TARGET)))
+static void sd_half_avx512(int f16, int op, uint16_t *out, const uint16_t *const *ins, int n,
+                           size_t count, float div) {
     size_t i = 0;
     int j;
     __m512 d = _mm512_set1_ps(div);
+    __m512 quiet = _mm512_castsi512_ps(_mm512_set1_epi32(0x400000));
     for (; i + 16 <= count; i += 16) {
-        __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ins[0] + i)));
+        __m512 a = sd512_load(f16, ins[0] + i);
         for (j = 1; j < n; j++) {
-            __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ins[j] + i)));
-            __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);    /* see SD_COMBINE */
+            __m512 b = sd512_load(f16, ins[j] + i);
+            __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
             __m512 r = op == SD_HPROD ? _mm512_mul_ps(a, b) : _mm512_add_ps(a, b);
-            a = _mm512_mask_mov_ps(r, nan, _mm512_castsi512_ps(
-                    _mm512_or_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x400000))));
+            a = _mm512_mask_mov_ps(r, nan, _mm512_or_ps(a, quiet));
         }
         if (op == SD_HAVG) a = _mm512_div_ps(a, d);
-        _mm256_storeu_si256((__m256i *)(out + i),
-                            _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        sd512_store(f16, out + i, a);
     }
-    if (i < count) {
-        const uint16_t *rest[64];
-        int k;
-        if (n <= 64) {
-            for (k = 0; k < n; k++) rest[k] = ins[k] + i;
-            sd_half_plain(1, op, out + i, rest, n, count - i, div);
-        } else {
-            for (; i < count; i++) {
-                float a = sd_f16_f32(ins[0][i]);
-                for (k = 1; k < n; k++) a = sd_combine1(op, a, sd_f16_f32(ins[k][i]));
-                if (op == SD_HAVG) a /= div;
-                out[i] = sd_f32_f16(a);
-            }
-        }
-    }
+    SD_TAIL(f16)
 }
 
 __attribute__((target("avx2,f16c")))
-static void sd_f16_avx2(int op, uint16_t *out, const uint16_t *const *ins, int n,
-                        size_t count, float div) {
+static inline __m256 sd256_load(int f16, const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (f16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx2,f16c")))
+static inline void sd256_store(int f16, uint16_t *p, __m256 a) {
+    __m256i b, r, q, v;
+    if (f16) {
+        _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        return;
+    }
+    b = _mm256_castps_si256(a);
+    r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)),
+                                           _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1))), 16);
+    q = _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40));
+    v = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q),
+                                             _mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+    v = _mm256_packus_epi32(v, v);                 /* every value fits 16 bits: no saturation */
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(v, 0x08)));
+}
+
+__attribute__((target("avx2,f16c")))
+static void sd_half_avx2(int f16, int op, uint16_t *out, const uint16_t *const *ins, int n,
+                         size_t count, float div) {
     size_t i = 0;
     int j;
     __m256 d = _mm256_set1_ps(div);
+    __m256 quiet = _mm256_castsi256_ps(_mm256_set1_epi32(0x400000));
     for (; i + 8 <= count; i += 8) {
-        __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ins[0] + i)));
+        __m256 a = sd256_load(f16, ins[0] + i);
         for (j = 1; j < n; j++) {
-            __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ins[j] + i)));
-            __m256 nan = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);            /* see SD_COMBINE */
+            __m256 b = sd256_load(f16, ins[j] + i);
+            __m256 nan = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);
             __m256 r = op == SD_HPROD ? _mm256_mul_ps(a, b) : _mm256_add_ps(a, b);
-            a = _mm256_blendv_ps(r, _mm256_or_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x400000))), nan);
+            a = _mm256_blendv_ps(r, _mm256_or_ps(a, quiet), nan);
         }
         if (op == SD_HAVG) a = _mm256_div_ps(a, d);
-        _mm_storeu_si128((__m128i *)(out + i),
-                         _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        sd256_store(f16, out + i, a);
     }
-    for (; i < count; i++) {
-        float a = sd_f16_f32(ins[0][i]);
-        for (j = 1; j < n; j++) a = sd_combine1(op, a, sd_f16_f32(ins[j][i]));
-        if (op == SD_HAVG) a /= div;
-        out[i] = sd_f32_f16(a);
-    }
+    SD_TAIL(f16)
 }
 #endif
 
@@ -300,13 +317,11 @@ static void sd_reduce_half(int f16, int op, uint16_t *out, const uint16_t *const
     }
 #if SD_X86
     if (level == 2) {
-        if (f16) sd_f16_avx512(op, out, ins, n, count, div);
-        else sd_bf16_avx512(op, out, ins, n, count, div);
+        sd_half_avx512(f16, op, out, ins, n, count, div);
         return;
     }
     if (level == 1) {
-        if (f16) sd_f16_avx2(op, out, ins, n, count, div);
-        else sd_bf16_avx2(op, out, ins, n, count, div);
+        sd_half_avx2(f16, op, out, ins, n, count, div);
         return;
     }
 #endif
