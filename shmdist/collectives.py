@@ -296,17 +296,19 @@ class GroupComm:
             self.lock.release()
         return True
 
-    def quick_all_reduce(self, arr: np.ndarray, op: ReduceOp, timeout: float) -> bool:
+    def quick_all_reduce(self, arr: np.ndarray, op: ReduceOp, timeout: float,
+                         dtype_name: str | None = None) -> bool:
         """all_reduce of a small C-contiguous numpy array of a common dtype
         and op, reduced in C in one call when the others are already there:
         what all_reduce below does for it, with less Python around. False,
-        having done nothing, when it does not apply."""
-        how = self.ph.all_reduce(arr, op, self.small)
+        having done nothing, when it does not apply. ``dtype_name``:
+        "bfloat16" for a uint16 array of bfloat16 bits."""
+        how = self.ph.all_reduce(arr, op, self.small, dtype_name)
         if how > 0:
             return True
         if how <= -2:
             return False
-        kind, code, _ = self.ph.plan(arr.dtype, op)
+        kind, code, _ = self.ph.plan(arr.dtype, op, dtype_name)
         what = lambda: f"all_reduce({op.name}, {describe(arr.nbytes, arr.dtype.name, arr.shape)})"
         try:                              # the Phaser left the lock held
             if how < 0 or self._finish_pass(what, timeout, True) < 0:
