@@ -117,7 +117,9 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
             arr, name = _g.fast_bf16(tensor), "bfloat16"   # first: fast_array would raise inside for it
             if arr is None:
                 arr, name = _g.fast_array(tensor), None
-        if arr is not None and _g._world.default.coll.quick_all_reduce(arr, op, _g._world.timeout, name):
+        coll = _g._world.default.coll
+        if arr is not None and (coll.quick_all_reduce(arr, op, _g._world.timeout) if name is None else
+                                coll.quick_all_reduce(arr, op, _g._world.timeout, name)):
             return completed("all_reduce", [tensor]) if async_op else None
         quick = False
     w, g, comm = _enter("all_reduce", group)
