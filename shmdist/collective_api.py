@@ -118,6 +118,8 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
             if arr is None:
                 arr, name = _g.fast_array(tensor), None
         coll = _g._world.default.coll
+        if name is not None and not getattr(coll, "quick_names", False):
+            arr = None          # a comm whose quick path takes no dtype name (groups spanning hosts)
         if arr is not None and (coll.quick_all_reduce(arr, op, _g._world.timeout) if name is None else
                                 coll.quick_all_reduce(arr, op, _g._world.timeout, name)):
             return completed("all_reduce", [tensor]) if async_op else None

@@ -99,6 +99,7 @@ def open_group(world, group) -> "GroupComm":
 
 class GroupComm:
     c_rounds = True        # large all_reduce of common dtypes and ops in C (tests turn it off)
+    quick_names = True     # quick_all_reduce takes a dtype name ("bfloat16" bits as uint16)
 
     def __init__(self, world, group, seg):
         self.world, self.group, self.seg = world, group, seg
