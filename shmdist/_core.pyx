@@ -13,7 +13,7 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, 
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from shmdist._core cimport (sd_load64, sd_store64, sd_load32, sd_store32, sd_add32,
                             sd_fence, sd_relax, sd_futex_wait, sd_futex_wake, sd_yield, sd_cma_read,
-                            sd_copy_nt)
+                            sd_copy_nt, sd_reduce_half, sd_half_level, sd_half_set_limit)
 
 # Layout of a per-process control block (CTL_BYTES each, in the job segment).
 cdef enum:
@@ -374,7 +374,11 @@ cdef inline int _all_reached(const uint8_t *flags, size_t stride, int n, uint64_
     return 1
 
 
-cdef size_t[4] _ITEMSIZE = [4, 8, 4, 8]    # bytes of reduce_rows' kinds
+cdef size_t[6] _ITEMSIZE = [4, 8, 4, 8, 2, 2]    # bytes of reduce_rows' kinds
+KIND_BFLOAT16, KIND_FLOAT16 = 4, 5               # the 16-bit kinds: float32 sums, one rounding (_half.h)
+_BF16_PLAN = (KIND_BFLOAT16, b"bfloat16")
+import numpy as _np
+_F16 = _np.dtype("float16")
 
 
 ctypedef fused _num:
@@ -422,7 +426,9 @@ cdef inline size_t _part_start(size_t count, int n, int j) noexcept nogil:
 
 cdef void _reduce_parts_kind(int kind, int op, size_t out, const size_t *ins, int n,
                              size_t count) noexcept nogil:
-    if kind == 0:
+    if kind >= 4:       # bfloat16, float16: op 0 SUM, 1 PRODUCT, 7 AVG (the sum divided by n)
+        sd_reduce_half(kind - 4, op, <uint16_t *>out, <const uint16_t *const *>ins, n, count, <float>n)
+    elif kind == 0:
         _reduce_parts[float](<float *>out, ins, n, count, op)
     elif kind == 1:
         _reduce_parts[double](<double *>out, ins, n, count, op)
@@ -434,7 +440,8 @@ cdef void _reduce_parts_kind(int kind, int op, size_t out, const size_t *ins, in
 
 def reduce_rows(int kind, int op, size_t out, size_t first, size_t stride, int n, size_t count):
     """The C reduction of small all_reduce (see _reduce_parts); ``kind`` 0
-    float32, 1 float64, 2 int32, 3 int64."""
+    float32, 1 float64, 2 int32, 3 int64, 4 bfloat16, 5 float16 (these two:
+    see reduce_half)."""
     _reduce_kind(kind, op, out, first, stride, n, count)
 
 
@@ -453,6 +460,65 @@ cdef int _reduce_kind(int kind, int op, size_t out, size_t first, size_t stride,
     if ins != &near[0]:
         free(ins)
     return 0
+
+
+def half_level():
+    """Which build of the 16-bit reductions this CPU runs: 2 AVX-512, 1 AVX2
+    with F16C, 0 plain C (after any cap set_half_limit put)."""
+    return sd_half_level()
+
+
+def set_half_limit(int level):
+    """Cap the build half_level() picks (tests run every build this CPU has)."""
+    sd_half_set_limit(level)
+
+
+def reduce_half(out, inputs, int op, str dtype, int count):
+    """out = inputs[0] op inputs[1] op ... for bfloat16 (arrays of its uint16
+    bits) or float16: each element widened to float32, combined in rank
+    order, AVG (op 7) divided by ``count``, rounded once to nearest even,
+    NaN kept: bit for bit reduce_ops' numpy path. ``op`` 0 SUM, 1 PRODUCT,
+    7 AVG. Returns False, doing nothing, when it does not apply (another
+    dtype or op, arrays not C-contiguous or not all of out's size, out not
+    writable or overlapping an input other than at the same address)."""
+    cdef Py_buffer ov
+    cdef Py_buffer iv
+    cdef size_t[64] ins
+    cdef int n = len(inputs), j, f16
+    cdef size_t nbytes, lo, hi, a
+    if dtype == "bfloat16":
+        f16 = 0
+    elif dtype == "float16":
+        f16 = 1
+    else:
+        return False
+    if op not in (0, 1, 7) or n < 1 or n > 64 or count < 1:
+        return False
+    try:
+        PyObject_GetBuffer(out, &ov, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+    except (BufferError, ValueError):
+        return False
+    try:
+        nbytes = ov.len
+        if nbytes % 2:
+            return False
+        lo, hi = <size_t>ov.buf, <size_t>ov.buf + nbytes
+        for j in range(n):
+            try:
+                PyObject_GetBuffer(inputs[j], &iv, PyBUF_C_CONTIGUOUS)
+            except (BufferError, ValueError):
+                return False
+            a = <size_t>iv.buf
+            PyBuffer_Release(&iv)
+            if <size_t>iv.len != nbytes or (a != lo and a < hi and a + nbytes > lo):
+                return False
+            ins[j] = a      # the caller keeps the inputs alive for this call
+        with nogil:
+            sd_reduce_half(f16, op, <uint16_t *>ov.buf, <const uint16_t *const *>&ins[0], n, nbytes // 2,
+                           <float>count)
+        return True
+    finally:
+        PyBuffer_Release(&ov)
 
 
 def wait_phase(size_t flags, size_t stride, int n, uint64_t target, size_t ctl,
@@ -601,6 +667,22 @@ cdef extern from "Python.h":
 cdef uint32_t _MAGIC = 0x444D4853   # "SHMD", engine.MAGIC; version 1 follows it
 
 
+cdef enum:
+    MAX_PENDING = 1024     # pending fast receives at most; more go the general way
+
+
+cdef class _Pend:
+    """A pending fast receive: where its message goes and what it must be."""
+    cdef DistributedRequest req
+    cdef Ring ring
+    cdef object arr
+    cdef int src
+    cdef int64_t tag
+    cdef size_t addr
+    cdef uint64_t nbytes
+    cdef bytes dtype16
+
+
 cdef class Lane:
     """The whole of a small send or receive between two local ranks in one
     call, for the common case: a C-contiguous numpy array, the default
@@ -623,15 +705,8 @@ cdef class Lane:
     cdef list posted, unexpected
     cdef object engine
     cdef object peers            # (src,) tuples, per rank
-    cdef public DistributedRequest pending
+    cdef list pend               # the pending fast receives (_Pend), in posting order
     cdef public unsigned long long sends, recvs   # operations the lane took whole
-    cdef Ring p_ring
-    cdef object p_arr
-    cdef int p_src
-    cdef int64_t p_tag
-    cdef size_t p_addr
-    cdef uint64_t p_nbytes
-    cdef bytes p_dtype16
     cdef int64_t a_tag
     cdef bytes a_dtype16
     cdef Backoff backoff
@@ -652,7 +727,31 @@ cdef class Lane:
         self.rx = engine.rx
         self.posted = engine.posted
         self.unexpected = engine.unexpected
-        self.pending = None
+        self.pend = []
+
+    @property
+    def pending(self):
+        """The first pending fast receive's request, or None; setting None
+        forgets them all (the engine's close fails them first)."""
+        return (<_Pend>self.pend[0]).req if self.pend else None
+
+    @pending.setter
+    def pending(self, value):
+        if value is not None:
+            raise ValueError("Lane.pending can only be cleared")
+        self.pend = []
+
+    def pending_requests(self):
+        """The requests of every pending fast receive, in posting order."""
+        return [(<_Pend>p).req for p in self.pend]
+
+    def holds(self, req):
+        """True when ``req`` is one of the pending fast receives."""
+        cdef _Pend p
+        for p in self.pend:
+            if p.req is req:
+                return True
+        return False
 
     cdef int _header(self, uint8_t *hdr, Py_buffer *view, int64_t tag, bytes dtype16) except -1:
         cdef int i
@@ -751,17 +850,19 @@ cdef class Lane:
 
     def recv(self, arr, src, tag):
         """The request of a receive from ``src``: completed when its message
-        was already there, else the pending fast receive; None when the
-        general path must take it."""
+        was already there (and no earlier pending receive from ``src`` waits
+        for one), else a pending fast receive, queued behind the others;
+        None when the general path must take it."""
         cdef Ring ring = None
         cdef int64_t t
         cdef bytes dtype16 = None
         cdef Py_buffer view
         cdef uint64_t total
         cdef size_t addr
-        cdef int got
+        cdef int got, isrc
+        cdef _Pend p
         cdef DistributedRequest req
-        if self.pending is not None:
+        if len(self.pend) >= MAX_PENDING:
             return None
         ring = self._args(arr, src, tag, self.ins)
         if ring is None:
@@ -776,73 +877,158 @@ cdef class Lane:
         PyBuffer_Release(&view)
         if total > SLICE:       # bigger ones are copied out slice by slice as they arrive
             return None
+        isrc = src
         req = DistributedRequest.__new__(DistributedRequest)
         req._engine = self.engine
-        req.op = self.recv_ops[src]
-        req._peers = self.peers[src]
+        req.op = self.recv_ops[isrc]
+        req._peers = self.peers[isrc]
         req.tensors = [arr]
         self.acquire()
         try:
-            if self.posted or self.unexpected or self.rx[src] is not None:
+            if self.posted or self.unexpected or self.rx[isrc] is not None:
                 return None
-            got = ring._take(t, 0, addr, nbytes, PyBytes_AS_STRING(dtype16))
-            if got < 0:
-                return None
+            ahead = False
+            for p in self.pend:
+                if p.src == isrc:
+                    ahead = True
+                    break
+            if not ahead:       # the next record from src is this receive's
+                got = ring._take(t, 0, addr, nbytes, PyBytes_AS_STRING(dtype16))
+                if got < 0:
+                    return None     # another record first: the general path (after the pending ones)
+                if got > 0:
+                    self.recvs += 1
+                    req.source = src
+                    req._done = True
+                    return req
             self.recvs += 1
-            if got > 0:
-                req.source = src
-                req._done = True
-                return req
-            self.pending = req
+            p = _Pend.__new__(_Pend)
+            p.req, p.ring, p.arr, p.src, p.tag = req, ring, arr, isrc, t
+            p.addr, p.nbytes, p.dtype16 = addr, nbytes, dtype16
+            self.pend.append(p)
             req._lane = self
-            self.p_ring, self.p_arr, self.p_src, self.p_tag = ring, arr, src, t
-            self.p_addr, self.p_nbytes, self.p_dtype16 = addr, nbytes, dtype16
         finally:
             self.release()
         return req
 
     def settle(self):
-        """Post the pending fast receive to the engine (lock held)."""
-        req = self.pending
-        if req is not None:
-            self.pending = None
-            self.engine.post_recv(req, self.p_arr, self.p_src, self.p_tag)
-            self.p_arr = None
+        """Post every pending fast receive to the engine, in posting order (lock held)."""
+        cdef _Pend p
+        if self.pend:
+            pend, self.pend = self.pend, []
+            for p in pend:
+                p.req._lane = None
+                self.engine.post_recv(p.req, p.arr, p.src, p.tag)
+
+    def progress_pending(self):
+        """For the engine's progress (lock held): complete the pending fast
+        receives whose records are there. Returns the sources the ones
+        still pending wait on, whose rings the engine must leave alone; or
+        None after posting them all to the engine, when a record is not the
+        one expected or is there only in part (the engine streams those)."""
+        cdef _Pend p
+        cdef set srcs
+        if self._drain(None) < 0:
+            return None
+        if not self.pend:
+            return None
+        srcs = set()
+        for p in self.pend:
+            if p.src not in srcs:
+                srcs.add(p.src)
+                if sd_load64(p.ring.head) != sd_load64(p.ring.tail):
+                    self.settle()           # a record is coming in part: the general path streams it
+                    return None
+        return srcs
+
+    cdef int _drain(self, DistributedRequest req) except -2:
+        """Complete, in posting order, the pending receives whose records
+        are there (lock held). 1 when ``req`` is done, 0 when not yet, -1
+        when a record is not the one its receive expects: every pending
+        receive went to the engine, which says so or matches it elsewhere."""
+        cdef _Pend p
+        cdef int got
+        cdef Py_ssize_t i = 0
+        cdef uint64_t blocked = 0      # sources (< 64) with an earlier receive still waiting
+        cdef bint any_blocked = False
+        while i < len(self.pend):
+            p = <_Pend>self.pend[i]
+            if (p.src < 64 and (blocked >> p.src) & 1) or (p.src >= 64 and any_blocked):
+                i += 1
+                continue
+            got = p.ring._take(p.tag, 0, p.addr, p.nbytes, PyBytes_AS_STRING(p.dtype16))
+            if got < 0:
+                self.settle()
+                return -1
+            if got == 0:
+                if p.src < 64:
+                    blocked |= (<uint64_t>1) << p.src
+                else:
+                    any_blocked = True
+                i += 1
+                continue
+            del self.pend[i]
+            p.req._lane = None
+            p.req.source = p.src
+            p.req._complete()
+            if p.req is req:
+                return 1
+        return 1 if req is not None and req._done else 0
 
     def wait_pending(self, DistributedRequest req, long spin):
         """Spin up to ``spin`` pauses (-1: as the engine's backoff says) for
-        ``req``, the pending fast receive, on its ring alone while nothing
-        else is pending. True when it completed; else it is posted to the
-        engine, which waits for it."""
-        cdef Ring ring = self.p_ring
-        cdef uint64_t total = _HDR + ((self.p_nbytes + 63) & ~(<uint64_t>63))
-        cdef uint64_t t
+        ``req``, a pending fast receive, on its ring alone while nothing
+        else is pending, completing the pending receives ahead of it as
+        their records come. True when it completed; else every pending
+        receive is posted to the engine, which waits for it."""
+        cdef _Pend p, mine, first = None
+        cdef uint64_t total, t
         cdef long i
-        if req is not self.pending:
-            return False
+        cdef int how
+        if req._done:
+            return True
         if spin < 0:
             spin = self.backoff.spin
+        self.acquire()
+        try:
+            if not self.holds(req):
+                return req._done
+            how = self._drain(req)
+            if how != 0:
+                return how > 0
+            mine = <_Pend>self._find(req)
+            for p in self.pend:         # the first receive from req's source waits for the ring's next record
+                if p.src == mine.src:
+                    first = p
+                    break
+        finally:
+            self.release()
         if not self.sendq:
-            t = sd_load64(ring.tail)
+            total = _HDR + ((first.nbytes + 63) & ~(<uint64_t>63))
+            t = sd_load64(first.ring.tail)
             with nogil:
                 for i in range(spin):
-                    if sd_load64(ring.head) - t >= total:
+                    if sd_load64(first.ring.head) - t >= total:
                         break
                     sd_relax()
         self.acquire()
         try:
-            if req is not self.pending:
+            if not self.holds(req):
                 return req._done
-            if ring._take(self.p_tag, 0, self.p_addr, self.p_nbytes, PyBytes_AS_STRING(self.p_dtype16)) > 0:
-                self.pending = None
-                self.p_arr = None
-                req.source = self.p_src
-                req._done = True
-                return True
+            how = self._drain(req)
+            if how != 0:
+                return how > 0
             self.settle()
         finally:
             self.release()
         return False
+
+    cdef object _find(self, DistributedRequest req):
+        cdef _Pend p
+        for p in self.pend:
+            if p.req is req:
+                return p
+        return None
 
 
 # ---------------------------------------------------------------- waiting policy and collective phases
@@ -882,7 +1068,8 @@ cdef class Phaser:
         self.acquire, self.release = lock.acquire, lock.release
         self.barrier_desc = barrier_desc
         self.bufs, self.slot = bufs, slot
-        self.kinds, self.all_reduce_index = kinds, all_reduce_index
+        self.kinds, self.all_reduce_index = dict(kinds), all_reduce_index
+        self.kinds.setdefault(_F16, (KIND_FLOAT16, b"float16"))
         self.broken = None
 
     @property
@@ -971,33 +1158,38 @@ cdef class Phaser:
         """A whole barrier: 2 or 1 when passed; -2, 0 and -1 as for _call."""
         return self._call(PyBytes_AS_STRING(self.barrier_desc), len(self.barrier_desc), NULL, 0, 0, 0)
 
-    cpdef object plan(self, dtype, op):
+    cpdef object plan(self, dtype, op, name=None):
         """(reduce_parts kind, op code, dtype name) when the C reduction
         takes ``dtype`` and ReduceOp ``op``, else None (other dtypes, AVG and
-        bitwise ops, and MIN/MAX of floats, whose NaN rules are numpy's)."""
-        plan = self.kinds.get(dtype)
+        bitwise ops, and MIN/MAX of floats, whose NaN rules are numpy's).
+        ``name``: the buffer's dtype name when numpy's differs from it
+        ("bfloat16" travels as uint16 arrays)."""
+        plan = _BF16_PLAN if name == "bfloat16" else self.kinds.get(dtype)
         if plan is None or not PyLong_Check(op):
             return None
         kind, name = plan
         code = PyLong_AsLong(op)
+        if kind >= 4:       # the 16-bit floats: SUM, PRODUCT, AVG
+            return (kind, code, name) if code in (0, 1, 7) else None
         if code < 0 or code > 3 or (code >= 2 and kind <= 1):
             return None
         return kind, code, name
 
-    def all_reduce(self, arr, op, size_t most):
+    def all_reduce(self, arr, op, size_t most, dtype_name=None):
         """A whole small all_reduce of a C-contiguous writable numpy array of
         a dtype in ``kinds`` with ReduceOp ``op`` (0 SUM, 1 PRODUCT; 2 MIN and
         3 MAX for integers), reduced in C (see reduce_rows): 2 or 1 when
         done. -3: it does not qualify (or is over ``most`` bytes), nothing
         done; -2, 0 and -1 as for _call, the data already in place: the
         caller finishes with reduce_rows on buffers of parity (phase - 1) % 2.
-        The descriptor is the one collectives._DESC packs for it."""
+        The descriptor is the one collectives._DESC packs for it.
+        ``dtype_name``: "bfloat16" for a uint16 array of bfloat16 bits."""
         cdef Py_buffer view
         cdef long code
         cdef int kind
         cdef uint64_t desc[8]
         cdef bytes name
-        plan = self.plan(arr.dtype, op)
+        plan = self.plan(arr.dtype, op, dtype_name)
         if plan is None:
             return -3
         kind, code, name = plan

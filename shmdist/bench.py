@@ -37,11 +37,14 @@ from typing import NamedTuple
 import numpy as np
 
 KiB, MiB = 1 << 10, 1 << 20
-LATENCY_SIZES = (8, 4 * KiB, 64 * KiB, MiB)
-BANDWIDTH_SIZES = (MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+LATENCY_SIZES = (8, 4 * KiB, 64 * KiB, MiB, 16 * MiB, 256 * MiB)
+BANDWIDTH_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+# the other send/recv patterns: a loop of blocking sends, and both ranks sending at once
+STREAM_SIZES = BANDWIDTH_SIZES
 ALL_REDUCE_SIZES = (4 * KiB, MiB, 16 * MiB, 64 * MiB)
 BROADCAST_SIZES = (16 * MiB,)
-KINDS = ("latency", "bandwidth", "all_reduce", "broadcast", "barrier", "idle")
+KINDS = ("latency", "bandwidth", "blocking", "bidir", "all_reduce", "broadcast", "barrier", "idle")
+P2P = ("latency", "bandwidth", "blocking", "bidir")
 COLLECTIVES = ("all_reduce", "broadcast", "barrier")
 BACKENDS = ("shmdist", "shmdist-tcp", "gloo", "mpi", "memcpy")
 PEERS_ORDER = ("shmdist", "shmdist tcp", "gloo", "MPICH", "Open MPI", "memcpy")
@@ -69,6 +72,9 @@ def plan(kinds, ranks) -> list[Point]:
         rows += [Point("latency", n, 2) for n in LATENCY_SIZES]
     if "bandwidth" in kinds:
         rows += [Point("bandwidth", n, 2) for n in BANDWIDTH_SIZES]
+    for kind in ("blocking", "bidir"):
+        if kind in kinds:
+            rows += [Point(kind, n, 2) for n in STREAM_SIZES]
     for r in ranks:
         if "all_reduce" in kinds:
             rows += [Point("all_reduce", n, r) for n in ALL_REDUCE_SIZES]
@@ -265,6 +271,30 @@ def measure(comm, p: Point, s: dict) -> dict:
                 comm.wait_all([comm.irecv(buf, 0) for _ in range(window)])
                 comm.send(ack, 0)
         return stats(window * p.nbytes / timed(comm, step, s), "B/s")
+    if p.kind == "blocking":
+        # what a pipeline stage does: each send waited for before the next one
+        buf, ack = filled(comm, p.nbytes), filled(comm, 8)
+        count = min(max(BANDWIDTH_WINDOW // p.nbytes, 1), 64)
+        if comm.rank == 0:
+            def step():
+                for _ in range(count):
+                    comm.send(buf, 1)
+                comm.recv(ack, 1)
+        else:
+            def step():
+                for _ in range(count):
+                    comm.recv(buf, 0)
+                comm.send(ack, 0)
+        return stats(count * p.nbytes / timed(comm, step, s), "B/s")
+    if p.kind == "bidir":
+        # both ranks send a window and receive one at once; bytes of both directions per second
+        out, into = filled(comm, p.nbytes), filled(comm, p.nbytes)
+        window = min(max(BANDWIDTH_WINDOW // p.nbytes, 1), 64) if p.nbytes < 64 * MiB else 1
+
+        def step():
+            reqs = [comm.irecv(into, peer) for _ in range(window)]
+            comm.wait_all([comm.isend(out, peer) for _ in range(window)] + reqs)
+        return stats(2 * window * p.nbytes / timed(comm, step, s), "B/s")
     if p.kind == "all_reduce":
         buf = filled(comm, p.nbytes, np.float32)
         comm.all_reduce(buf)
@@ -421,7 +451,8 @@ def shmdist_lacks(kind: str) -> bool:
 def runs(b: Backend, rows: list[Point]) -> dict[int, list[Point]]:
     """The points ``b`` measures, by number of ranks."""
     if b.key == "memcpy":
-        own = [p._replace(ranks=1) for p in rows if p.kind in ("latency", "bandwidth", "all_reduce", "broadcast")]
+        own = [p._replace(ranks=1, kind="bandwidth" if p.kind in P2P[1:] else p.kind)
+               for p in rows if p.kind in ("latency", "bandwidth", "blocking", "bidir", "all_reduce", "broadcast")]
         return {1: list(dict.fromkeys(own))}
     by_ranks: dict[int, list[Point]] = {}
     for p in rows:
@@ -547,6 +578,10 @@ def row_label(p: Point) -> str:
         return f"p2p one-way latency {size_text(p.nbytes)}"
     if p.kind == "bandwidth":
         return f"p2p bandwidth {size_text(p.nbytes)}"
+    if p.kind == "blocking":
+        return f"p2p blocking-send loop {size_text(p.nbytes)}"
+    if p.kind == "bidir":
+        return f"p2p both ways at once {size_text(p.nbytes)}"
     ranks = "1 process" if p.ranks == 1 else f"{p.ranks} ranks"
     if p.kind == "barrier":
         return f"barrier, {ranks}"
@@ -580,25 +615,64 @@ def cost(record: dict | None) -> float | None:
 
 def lookup(results, label: str, p: Point):
     if label == "memcpy":
-        p = p._replace(ranks=1)
+        p = p._replace(ranks=1, kind="bandwidth" if p.kind in P2P[1:] else p.kind)
     return results.get((label, p))
 
 
-def table(rows, labels, results) -> str:
-    head = ["figure", *labels, "shmdist ÷ best peer"]
+def round_ratio(results, labels, p: Point):
+    """(shmdist's cost ÷ the best peer's, that peer) in one round's results, or None."""
+    mine = cost(results.get(("shmdist", p)))
+    peers = [(c, lab) for lab in labels if lab not in OURS
+             for c in [cost(results.get((lab, p)))] if c is not None]
+    if mine is None or not peers:
+        return None
+    best, who = min(peers)
+    return (mine / best, who) if best > 0 else None
+
+
+def ratios(rounds: list, labels, p: Point) -> list:
+    """The ratio of every round in which shmdist and a peer both measured ``p``."""
+    return [r for res in rounds for r in [round_ratio(res, labels, p)] if r is not None]
+
+
+def ratio_text(found: list) -> str:
+    """Median ratio over the rounds, its range when there are several, the peer most often best."""
+    if not found:
+        return "—"
+    values = sorted(v for v, _ in found)
+    whos = [w for _, w in found]
+    who = max(set(whos), key=whos.count)
+    text = f"{float(np.median(values)):.2f}"
+    if len(values) > 1:
+        text += f" ({values[0]:.2f}–{values[-1]:.2f})"
+    return f"{text} {who}"
+
+
+def combine(rounds: list) -> dict:
+    """One record per (backend, point): the median over the rounds that measured it."""
+    out = {}
+    for key in dict.fromkeys(k for res in rounds for k in res):
+        recs = [res[key] for res in rounds if key in res]
+        good = [r for r in recs if "failed" not in r]
+        if not good:
+            out[key] = recs[0]
+            continue
+        values = [r["value"] for r in good]
+        out[key] = {**good[0], "value": float(np.median(values)), "rounds": values,
+                    "iters": int(sum(r["iters"] for r in good))}
+    return out
+
+
+def table(rows, labels, rounds: list) -> str:
+    results = combine(rounds)
+    head = ["figure", *labels, "shmdist ÷ best peer" + (f" (median, range over {len(rounds)} rounds)"
+                                                         if len(rounds) > 1 else "")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in rows:
         cells = [value_text(lookup(results, lab, p)) for lab in labels]
         if p.kind == "idle" or p.kind == "barrier":
             cells = [c if lab != "memcpy" else "—" for c, lab in zip(cells, labels)]
-        mine = cost(results.get(("shmdist", p)))
-        peers = [(c, lab) for lab in labels if lab not in OURS
-                 for c in [cost(results.get((lab, p)))] if c is not None]
-        ratio = "—"
-        if mine is not None and peers:
-            best, who = min(peers)
-            ratio = f"{mine / best:.2f} ({who})" if best > 0 else "—"
-        lines.append("| " + " | ".join([row_label(p), *cells, ratio]) + " |")
+        lines.append("| " + " | ".join([row_label(p), *cells, ratio_text(ratios(rounds, labels, p))]) + " |")
     return "\n".join(lines)
 
 
@@ -642,6 +716,9 @@ def parse(argv):
     ap.add_argument("--mpi-python", action="append", metavar="PYTHON",
                     help="an interpreter with mpi4py, its mpiexec beside it (repeatable; default: this "
                          "Python and ./.venv*/bin/python)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="measure every backend this many times, interleaved (A B A B ...), and report "
+                         "medians and the ratio's range over the rounds (default 3, 1 with --quick)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per point before it is killed "
                                                                 "(default 60, 30 with --quick)")
     ap.add_argument("--json", metavar="FILE", help="write every figure to FILE")
@@ -665,6 +742,10 @@ def parse(argv):
         ap.error(f"--ranks: expected rank counts like 2,4, got {args.ranks!r}")
     if any(r < 2 for r in args.ranks):
         ap.error("--ranks: collectives need at least 2 ranks")
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
     if args.timeout is None:
         args.timeout = 30.0 if args.quick else 60.0
     if args.plot:
@@ -687,9 +768,23 @@ def main(argv=None) -> int:
                   if k in args.only and shmdist_lacks(k)]
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
-    work = [(b, world, pts) for b in backends for world, pts in sorted(runs(b, rows).items())]
-    total = sum(len(pts) for _, _, pts in work)
-    results, versions, count = {}, {}, [0]
+    # Interleaved: each round runs every backend on one kind of figure (and rank count), then the
+    # next kind, so a drift of the machine's speed hits every backend alike; the order of the
+    # backends alternates from round to round.
+    by_backend = [(b, runs(b, rows)) for b in backends]
+    chunks = list(dict.fromkeys((world, p.kind) for _, by in by_backend
+                                for world, pts in sorted(by.items()) for p in pts))
+    work = []
+    for rnd in range(args.rounds):
+        order = by_backend if rnd % 2 == 0 else by_backend[::-1]
+        for world, kind in chunks:
+            for b, by in order:
+                pts = [p for p in by.get(world, []) if p.kind == kind]
+                if pts:
+                    work.append((rnd, b, world, pts))
+    total = sum(len(pts) for *_, pts in work)
+    rounds = [{} for _ in range(args.rounds)]
+    versions, count = {}, [0]
 
     def progress(label, p, record):
         count[0] += 1
@@ -697,14 +792,17 @@ def main(argv=None) -> int:
               f"{'  (%d iters)' % record['iters'] if 'iters' in record else ''}", file=sys.stderr, flush=True)
 
     started = time.time()
-    for b, world, pts in work:
-        print(f"starting {b.label} on {world} rank(s)...", file=sys.stderr, flush=True)
-        run_backend(b, world, pts, args, settings, results, versions, progress)
+    for rnd, b, world, pts in work:
+        print(f"round {rnd + 1}/{args.rounds}: {b.label} on {world} rank(s), {pts[0].kind}...",
+              file=sys.stderr, flush=True)
+        run_backend(b, world, pts, args, settings, rounds[rnd], versions, progress)
+    results = combine(rounds)
     labels = [lab for lab in PEERS_ORDER if lab in {b.label for b in backends}]
     labels += [b.label for b in backends if b.label not in labels]
     print(f"shmdist.bench on {platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}; "
-          f"{'quick, ' if args.quick else ''}medians; took {time.time() - started:.0f} s")
-    print(table(rows, labels, results))
+          f"{'quick, ' if args.quick else ''}medians; {args.rounds} interleaved round(s); "
+          f"took {time.time() - started:.0f} s")
+    print(table(rows, labels, rounds))
     print("ratio = shmdist's time ÷ the best peer's (bandwidth: best peer's GB/s ÷ shmdist's); "
           "below 1 means shmdist is faster. Peers: " +
           "; ".join(f"{lab}: {versions.get(lab, '?')}" for lab in labels))
@@ -712,9 +810,12 @@ def main(argv=None) -> int:
         print(f"note: {n}")
     if args.json:
         doc = {"meta": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                        "quick": args.quick, "argv": sys.argv, "date": datetime.datetime.now().isoformat(),
+                        "quick": args.quick, "rounds": args.rounds, "argv": sys.argv, "date": datetime.datetime.now().isoformat(),
                         "versions": versions, "notes": notes},
-               "results": [{"backend": lab, **p._asdict(), **rec} for (lab, p), rec in results.items()]}
+               "results": [{"backend": lab, **p._asdict(), **rec} for (lab, p), rec in results.items()],
+               "ratios": [{**p._asdict(), "label": row_label(p), "rounds": [v for v, _ in found],
+                           "peers": [w for _, w in found]}
+                          for p in rows for found in [ratios(rounds, labels, p)] if found]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     if args.plot:

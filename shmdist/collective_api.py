@@ -161,8 +161,16 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``tensor`` across the group; every rank ends with the result, in place."""
     quick = op.__class__ is ReduceOp      # the one-call path may apply
     if quick and group is None and _g._lane is not None:    # the default group's, before any other work
-        arr = tensor if tensor.__class__ is np.ndarray else _g.fast_array(tensor)
-        if arr is not None and _g._world.default.coll.quick_all_reduce(arr, op, _g._world.timeout):
+        arr, name = tensor, None
+        if tensor.__class__ is not np.ndarray:
+            arr, name = _g.fast_bf16(tensor), "bfloat16"   # first: fast_array would raise inside for it
+            if arr is None:
+                arr, name = _g.fast_array(tensor), None
+        coll = _g._world.default.coll
+        if name is not None and not getattr(coll, "quick_names", False):
+            arr = None          # a comm whose quick path takes no dtype name (groups spanning hosts)
+        if arr is not None and (coll.quick_all_reduce(arr, op, _g._world.timeout) if name is None else
+                                coll.quick_all_reduce(arr, op, _g._world.timeout, name)):
             return completed("all_reduce", [tensor]) if async_op else None
         quick = False
     w, g, comm = _enter("all_reduce", group)

@@ -100,6 +100,7 @@ def open_group(world, group) -> "GroupComm":
 class GroupComm:
     c_rounds = True        # large all_reduce of common dtypes and ops in C (tests turn it off)
     all_to_all_in_place = True   # an output exactly over its own input: read in a round before written
+    quick_names = True     # quick_all_reduce takes a dtype name ("bfloat16" bits as uint16)
 
     def __init__(self, world, group, seg):
         self.world, self.group, self.seg = world, group, seg
@@ -303,17 +304,19 @@ class GroupComm:
             self.lock.release()
         return True
 
-    def quick_all_reduce(self, arr: np.ndarray, op: ReduceOp, timeout: float) -> bool:
+    def quick_all_reduce(self, arr: np.ndarray, op: ReduceOp, timeout: float,
+                         dtype_name: str | None = None) -> bool:
         """all_reduce of a small C-contiguous numpy array of a common dtype
         and op, reduced in C in one call when the others are already there:
         what all_reduce below does for it, with less Python around. False,
-        having done nothing, when it does not apply."""
-        how = self.ph.all_reduce(arr, op, self.small)
+        having done nothing, when it does not apply. ``dtype_name``:
+        "bfloat16" for a uint16 array of bfloat16 bits."""
+        how = self.ph.all_reduce(arr, op, self.small, dtype_name)
         if how > 0:
             return True
         if how <= -2:
             return False
-        kind, code, _ = self.ph.plan(arr.dtype, op)
+        kind, code, _ = self.ph.plan(arr.dtype, op, dtype_name)
         what = lambda: f"all_reduce({op.name}, {describe(arr.nbytes, arr.dtype.name, arr.shape)})"
         try:                              # the Phaser left the lock held
             if how < 0 or self._finish_pass(what, timeout, True) < 0:
@@ -351,9 +354,9 @@ class GroupComm:
             return
         # a round's parts, plus my reduced part, fit the slot; C and Python rounds split alike
         per_round = min((self.slot // isz - 1) * n // (n + 1), self.round_bytes // isz)
-        plan = self.quick.get((dtype, op), False) if self.c_rounds else None
+        plan = self.quick.get((buf.dtype, op), False) if self.c_rounds else None
         if plan is False:
-            plan = self.quick[(dtype, op)] = self.ph.plan(dtype, op)
+            plan = self.quick[(buf.dtype, op)] = self.ph.plan(dtype, op, buf.dtype)
         if plan is not None:
             self._all_reduce_rounds(arr, plan, per_round, root, what, desc, timeout)
             return

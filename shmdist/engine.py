@@ -173,8 +173,8 @@ class Engine:
             self.progress(drain=False)   # the caller may be about to post the receives for what follows
 
     def post_recv(self, req, arr, src: int, tag: int) -> None:
-        """Post the fast lane's pending receive (lock held): as recv() would
-        have when it was called, without looking for a match yet."""
+        """Post one of the fast lane's pending receives (lock held): as recv()
+        would have when it was called, without looking for a match yet."""
         r = _Recv()
         r.req, r.src, r.gid, r.tag = req, src, 0, tag
         r.buf = as_buf(arr, writable=True, who=f"rank {self.rank}: recv")
@@ -195,9 +195,23 @@ class Engine:
         its own when ``drain``, so that a sender never stays blocked (two
         ranks that both send large messages before receiving do not
         deadlock); when not, it stays in the ring for a receive posted soon,
-        which then gets it without the extra copy."""
+        which then gets it without the extra copy. The fast lane's pending
+        receives stay in the lane while nothing else is posted or arriving
+        (its rings are left to it); else they are posted first, in order.
+        Once a receive completed
+        in this pass, nothing more is drained in it: the caller that waited
+        for that receive is about to post the next one (a loop of blocking
+        receives), and the record behind it should stream straight into that
+        receive's buffer rather than into a private one and be copied again
+        (that extra copy, and the page faults of a fresh buffer per message,
+        were the blocking-send "slow mode": ~1.5 GB/s at 1 MiB). A sender
+        held up by such a record is served by the next progress pass."""
+        held = None
         if self.lane.pending is not None:
-            self.lane.settle()
+            if self.posted or self.unexpected or any(inc is not None for inc in self.rx.values()):
+                self.lane.settle()
+            else:
+                held = self.lane.progress_pending()
         if self.sendq:
             for dst in list(self.sendq):
                 q = self.sendq[dst]
@@ -213,6 +227,8 @@ class Engine:
         rx = self.rx
         posted = self.posted
         for src, chan in self.chan_in:
+            if held is not None and src in held:
+                continue        # a pending fast receive's ring: the lane takes its records
             while True:
                 inc = rx[src]
                 if inc is None:
@@ -221,6 +237,7 @@ class Engine:
                         if r is not None and chan.take(r.tag, r.gid, r.buf.addr, r.buf.nbytes, r.dtype16) > 0:
                             posted.remove(r)
                             self._complete_recv(r, src)
+                            drain = False
                             continue
                     header = chan.peek()
                     if header is None:
@@ -233,7 +250,8 @@ class Engine:
                 if inc.pos < inc.total:
                     break
                 rx[src] = None
-                self._finish(inc)
+                if self._finish(inc):
+                    drain = False
 
     def _next_posted(self, src: int) -> _Recv | None:
         """The receive the next record from ``src`` goes to if its tag and group fit."""
@@ -283,13 +301,16 @@ class Engine:
             "was kept: the next matching receive gets it"))
         return False
 
-    def _finish(self, inc: _Incoming) -> None:
+    def _finish(self, inc: _Incoming) -> bool:
+        """A record arrived whole; True when that completed a receive."""
         if inc.target is not None:
             self._complete_recv(inc.target, inc.src)
-            return
+            return True
         inc.done = True
         if inc.claimed is not None:
             self._deliver(inc.claimed, inc)
+            return True
+        return False
 
     def _deliver(self, r: _Recv, inc: _Incoming) -> None:
         self.unexpected.remove(inc)
@@ -310,7 +331,7 @@ class Engine:
         depends on is gone."""
         if self.closed:         # close() failed every pending request: this one was not pending
             raise self._destroyed(req)
-        if self.lane.pending is req and self.lane.wait_pending(req, self.backoff.spin):
+        if req._lane is not None and self.lane.holds(req) and self.lane.wait_pending(req, self.backoff.spin):
             return
         limit = self.timeout if timeout is None else float(timeout)
         start = time.monotonic()
@@ -419,6 +440,8 @@ class Engine:
     def _cancel(self, req, force: bool) -> bool:
         """Withdraw the operation behind ``req`` if nothing of it moved yet
         (or, with ``force``, because its peer is gone). True if withdrawn."""
+        if self.lane.holds(req):
+            self.lane.settle()      # a pending fast receive: withdrawn from the engine's list below
         for i, r in enumerate(self.posted):
             if r.req is req:
                 del self.posted[i]
@@ -453,7 +476,7 @@ class Engine:
         is unmapped next."""
         with self.lock:
             self.closed = True
-            reqs = [self.lane.pending] + [r.req for r in self.posted]
+            reqs = self.lane.pending_requests() + [r.req for r in self.posted]
             reqs += [op.req for q in self.sendq.values() for op in q]
             reqs += [inc.target.req for inc in self.rx.values() if inc is not None and inc.target is not None]
             reqs += [inc.claimed.req for inc in self.unexpected if inc.claimed is not None]

@@ -11,6 +11,7 @@ import enum
 
 import numpy as np
 
+from shmdist import _core
 from shmdist.errors import DistError
 
 
@@ -35,6 +36,7 @@ _UFUNC = {
 }
 _HALF = ("float16", "bfloat16")
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+_C_HALF = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.AVG)   # what _core.reduce_half takes
 
 
 def as_op(op, who: str) -> ReduceOp:
@@ -91,6 +93,8 @@ def reduce_into(out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp, dtype: 
     ``count``. ``out`` must not overlap any input."""
     ufunc = _UFUNC[op]
     if dtype in _HALF:
+        if op in _C_HALF and _core.reduce_half(out, inputs, int(op), dtype, count):
+            return          # the same bits, in C (_half.h), without the float32 temporaries
         acc = _to_f32(inputs[0], dtype)
         for x in inputs[1:]:
             ufunc(acc, _to_f32(x, dtype), out=acc)

@@ -21,17 +21,38 @@ def test_bench_quick_prints_a_table_and_writes_json(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     table = run.stdout.splitlines()
     assert any(line.startswith("| figure | shmdist |") and "shmdist ÷ best peer" in line for line in table)
-    for row in ("p2p one-way latency 8 B", "p2p bandwidth 256 MiB", "all_reduce 4 KiB, 2 ranks",
+    for row in ("p2p one-way latency 8 B", "p2p bandwidth 256 MiB", "p2p blocking-send loop 1 MiB",
+                "p2p both ways at once 4 KiB", "all_reduce 4 KiB, 2 ranks",
                 "barrier, 2 ranks", "CPU of a rank blocked 1 s in wait()"):
         assert any(line.startswith(f"| {row} |") for line in table), row
     assert "[  1/" in run.stderr        # progress is shown while it runs
     doc = json.loads(out.read_text())
     mine = [r for r in doc["results"] if r["backend"] == "shmdist"]
-    assert {r["kind"] for r in mine} == {"latency", "bandwidth", "all_reduce", "broadcast", "barrier", "idle"}
+    assert {r["kind"] for r in mine} == {"latency", "bandwidth", "blocking", "bidir", "all_reduce", "broadcast",
+                                         "barrier", "idle"}
     for r in mine:
         assert "failed" not in r, r
         assert r["value"] >= 0 and r["iters"] >= 1 and r["unit"] in ("s", "B/s", "cpu")
     assert shm_entries() <= before
+
+
+@pytest.mark.timeout(300)
+def test_bench_rounds_interleave_and_report_the_ratio_range(tmp_path):
+    """--rounds 2: every backend measured twice, the ratio column gives its median and range."""
+    out = tmp_path / "figures.json"
+    run = subprocess.run([sys.executable, "-m", "shmdist.bench", "--quick", "--rounds", "2", "--only", "latency",
+                          "--backends", "shmdist,gloo", "--json", str(out)],
+                         capture_output=True, text=True, timeout=280)
+    if "gloo skipped" in run.stderr:
+        pytest.skip("needs torch (gloo) as the peer")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "round 2/2: " in run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| p2p one-way latency")]
+    assert rows and all(" gloo |" in row and "–" in row for row in rows)   # "0.01 (0.01–0.02) gloo"
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["rounds"] == 2
+    assert all(len(r["rounds"]) == 2 for r in doc["ratios"])
+    assert all(len(r["rounds"]) == 2 for r in doc["results"] if "value" in r)
 
 
 def test_bench_rejects_unknown_filters():
