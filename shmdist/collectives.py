@@ -101,6 +101,7 @@ class GroupComm:
     c_rounds = True        # large all_reduce of common dtypes and ops in C (tests turn it off)
     all_to_all_in_place = True   # an output exactly over its own input: read in a round before written
     quick_names = True     # quick_all_reduce takes a dtype name ("bfloat16" bits as uint16)
+    retired: str | None = None   # why the group was destroyed, for a thread still inside a call
 
     def __init__(self, world, group, seg):
         self.world, self.group, self.seg = world, group, seg
@@ -154,6 +155,19 @@ class GroupComm:
     def close(self) -> None:
         self.seg.close()
 
+    def retire(self, why: str, within: float) -> bool:
+        """Refuse new calls (``why``) and let a thread that sleeps inside a
+        call out (it raises at its next wake); True once no call is inside,
+        so the arena may be unmapped. False after ``within`` seconds."""
+        self.retired = self.broken = why
+        deadline = time.monotonic() + within
+        while not self.lock.acquire(timeout=0.005):
+            _core.ring_bell(self.my_bell)
+            if time.monotonic() > deadline:
+                return False
+        self.lock.release()
+        return True
+
     # ------------------------------------------------------------ phases
 
     def _buf(self, member: int, parity: int) -> int:
@@ -182,6 +196,9 @@ class GroupComm:
         deadline = start + timeout
         while not _core.wait_phase(self.ctl[0], CTL_STRIDE, self.n, target, self.my_bell, 0, 0,
                                    min(LIVENESS_PERIOD, max(0.0, deadline - time.monotonic()))):
+            if self.retired:
+                raise DistError(f"rank {self.rank}: {what}: {self.retired} while this call waited for "
+                                "the other members; it never completes")
             late = [i for i in range(self.n) if _core.load_u64(self.ctl[i]) < target]
             for i in late:
                 why = self.world.engine.peer_gone(self.group.ranks[i])

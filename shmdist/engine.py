@@ -129,6 +129,8 @@ class Engine:
         self.peer_pids = peer_pids
         self.backoff = Backoff(oversubscribed)
         self.closed = False
+        self.forked = ""                  # in a forked child: why the parent's engine is not its own
+        self.waiting: set = set()         # threads inside wait_for: close() lets them out before unmapping
         self.lane = _core.Lane(self, rank, 1 + max([rank, *chan_out, *chan_in]), chan_out, chan_in)
 
     # ------------------------------------------------------------ posting
@@ -184,6 +186,8 @@ class Engine:
     # ------------------------------------------------------------ progress
 
     def poll(self) -> None:
+        if self.forked:
+            raise DistError(f"is_completed(): {self.forked}")
         with self.lock:
             if not self.closed:
                 self.progress()
@@ -329,8 +333,18 @@ class Engine:
     def wait_for(self, req, timeout: float | None) -> None:
         """Block until ``req`` is done, its deadline passes, or a peer it
         depends on is gone."""
+        if self.forked:
+            raise DistError(f"{req.op}: {self.forked}")
         if self.closed:         # close() failed every pending request: this one was not pending
             raise self._destroyed(req)
+        me = threading.get_ident()
+        self.waiting.add(me)
+        try:
+            self._wait_for(req, timeout)
+        finally:
+            self.waiting.discard(me)
+
+    def _wait_for(self, req, timeout: float | None) -> None:
         if req._lane is not None and self.lane.holds(req) and self.lane.wait_pending(req, self.backoff.spin):
             return
         limit = self.timeout if timeout is None else float(timeout)
@@ -338,6 +352,10 @@ class Engine:
         deadline = start + limit
         check_at = start + LIVENESS_PERIOD
         while True:
+            if req._done:
+                return
+            if self.closed:     # another thread's destroy: memory may be unmapped next
+                raise self._destroyed(req)
             seen = _core.bell_value(self.ctl)
             with self.lock:
                 self.progress()
@@ -433,9 +451,12 @@ class Engine:
         self.note_timeout(f"{req.op}{who}")
         fate = ("it was cancelled" if cancelled else
                 "part of the message already moved, so it stays pending: wait() again to finish it")
-        raise DistTimeoutError(
+        error = DistTimeoutError(
             f"rank {self.rank}: {req.op}{who}: Timed out after {limit:g} s; {fate}. Check that the "
             "peer posts the matching call, or pass a larger timeout")
+        if cancelled:
+            req._complete(error)    # it will never complete otherwise: it says so from now on
+        raise error
 
     def _cancel(self, req, force: bool) -> bool:
         """Withdraw the operation behind ``req`` if nothing of it moved yet
@@ -469,6 +490,32 @@ class Engine:
     def _destroyed(self, req) -> DistError:
         return DistError(f"rank {self.rank}: {req.op}: destroy_process_group was called before it "
                          "completed; it never will")
+
+    def fail_group(self, gids: tuple, why: str) -> None:
+        """Fail the receives posted on groups ``gids`` and not yet matched
+        (their group was destroyed: nothing will ever match them). Sends
+        complete anyway, since receivers drain what they did not ask for."""
+        with self.lock:
+            if self.lane.pending is not None:
+                self.lane.settle()
+            gone = [r for r in self.posted if r.gid in gids]
+            self.posted = [r for r in self.posted if r.gid not in gids]
+        for r in gone:
+            r.req._complete(DistError(f"rank {self.rank}: {r.req.op}: {why} before it completed; it "
+                                      "never will"))
+
+    def quiet(self, within: float) -> bool:
+        """Wake this process's waiters and wait until no other thread is
+        inside wait_for (they find their request failed); False if one still
+        is after ``within`` seconds: then the memory must stay mapped."""
+        me = threading.get_ident()
+        deadline = time.monotonic() + within
+        while self.waiting - {me}:
+            _core.ring_bell(self.ctl)
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     def close(self) -> None:
         """Leave: every operation still pending fails now, naming the

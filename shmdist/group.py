@@ -97,24 +97,33 @@ class World:
         names of the segments (normally gone already; idempotent)."""
         if self.forked:
             return      # a forked child: leave the parent's resources alone
-        for g in self.groups:
+        # Another thread may sleep inside a wait or a collective: its call fails, and the
+        # memory is unmapped only once it is out (else it stays mapped until exit).
+        why = "destroy_process_group was called"
+        quiet = [g.coll.retire(why, RETIRE_SECONDS) if g.coll is not None else True for g in self.groups]
+        cause = self.engine.leave_cause() if self.engine is not None else ""
+        if self.tcp is not None:
+            self.tcp.close(cause, self.engine.partly_sent() if self.engine is not None else ())
+        engine_quiet = True
+        if self.engine is not None:
+            self.engine.close()
+            engine_quiet = self.engine.quiet(RETIRE_SECONDS)
+        for g, ok in zip(self.groups, quiet):
             g.destroyed = True
             if g.coll is not None:
                 if failed:
                     g.coll.unlink()
-                g.coll.close()
-        cause = self.engine.leave_cause() if self.engine is not None else ""
-        if self.tcp is not None:
-            self.tcp.close(cause, self.engine.partly_sent() if self.engine is not None else ())
-        if self.engine is not None:
-            self.engine.close()
+                if ok:
+                    g.coll.close()
         if self.host is not None:
             if failed:
                 self.host.seg.unlink()
-            self.host.close(cause)
+            self.host.close(cause, unmap=engine_quiet)
         if self.owned_store is not None:
             self.owned_store.close(linger=FAILED_INIT_LINGER if failed else 0.0)
 
+
+RETIRE_SECONDS = 2.0   # how long destroy waits for another thread to leave a wait before unmapping
 
 _world: World | None = None
 _lane = None    # _world's engine.lane while _world may be used: send/recv try it first
@@ -136,11 +145,14 @@ def world(op: str = "this call") -> World:
             f"{op}: default process group has not been initialized, please make sure to call "
             "shmdist.init_process_group first")
     if w.forked:
-        raise DistError(
-            f"{op}: this process (pid {os.getpid()}) was forked from rank {w.rank} (pid {w.pid}) "
+        raise DistError(f"{op}: {_forked_why(w)}")
+    return w
+
+
+def _forked_why(w: World) -> str:
+    return (f"this process (pid {os.getpid()}) was forked from rank {w.rank} (pid {w.pid}) "
             "after init_process_group; a forked child cannot use its parent's group. Call "
             "init_process_group in the child with its own rank, or communicate from the parent")
-    return w
 
 
 def _mark_forked() -> None:
@@ -148,6 +160,11 @@ def _mark_forked() -> None:
     _set_fast(None)
     if _world is not None:
         _world.forked = True
+        if _world.engine is not None:   # requests the parent made wait here no more
+            _world.engine.forked = _forked_why(_world)
+            for req in _world.engine.lane.pending_requests():
+                if req is not None:
+                    req._lane = None
 
 
 os.register_at_fork(after_in_child=_mark_forked)
@@ -295,7 +312,9 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         w.close()
         return
     group.destroyed = True
-    if group.coll is not None:
+    why = f"group {list(group.ranks)} was destroyed (destroy_process_group)"
+    w.engine.fail_group((group.gid,), why)
+    if group.coll is not None and group.coll.retire(why, RETIRE_SECONDS):
         group.coll.close()
 
 

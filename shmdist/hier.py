@@ -23,6 +23,7 @@ a pair, so FIFO order per pair keeps them apart.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -102,6 +103,18 @@ class HierComm:
     def close(self) -> None:
         if self.comm:
             self.comm.close()
+
+    def retire(self, why: str, within: float) -> bool:
+        """As GroupComm.retire; the leaders' messages of a call inside fail first."""
+        self.broken = why
+        self.engine.fail_group((self.gid,), why)
+        deadline = time.monotonic() + within
+        quiet = self.comm is None or self.comm.retire(why, within)
+        while not self.lock.acquire(timeout=0.005):
+            if time.monotonic() > deadline:
+                return False
+        self.lock.release()
+        return quiet
 
     # ------------------------------------------------------------ steps
 

@@ -128,13 +128,15 @@ class ShmHost:
             "rings_of_this_rank": 2 * (n - 1) * self.ring_bytes,
         }
 
-    def close(self, cause: str = "") -> None:
+    def close(self, cause: str = "", unmap: bool = True) -> None:
         """Say goodbye: peers waiting on this rank learn it left, not died,
-        and ``cause``: the failure that made it leave, if one did."""
+        and ``cause``: the failure that made it leave, if one did. Without
+        ``unmap`` the memory stays mapped (a thread may still read it)."""
         if os.getpid() != self.seg.pid:
             return
         _core.ctl_close(self.my_ctl, cause.encode())   # cut to CAUSE_BYTES there
         for r, ctl in self.ctls.items():
             _core.ring_bell(ctl)
         self.out = self.inc = {}
-        self.seg.close()
+        if unmap:
+            self.seg.close()

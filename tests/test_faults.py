@@ -497,7 +497,7 @@ def dies_in_destroy(rank, world_size, init_method, deathfile):
     t = np.ones(1024, dtype=np.float64)
     dist.all_reduce(t)
     if rank == world_size - 1:
-        shm.ShmHost.close = lambda self, cause="": _die(deathfile)
+        shm.ShmHost.close = lambda self, cause="", unmap=True: _die(deathfile)
         dist.destroy_process_group()
         raise AssertionError("the victim outlived destroy_process_group")
     return _finish(_outcome(lambda: None))

@@ -239,11 +239,6 @@ def fork_touches_request(rank, world_size, init_method, what):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN: a forked child that calls wait() or is_completed() on a "
-                   "request its parent posted runs the parent's engine (DistributedRequest.wait -> "
-                   "Engine.wait_for / poll, and Lane.wait_pending, never check World.forked): it consumes "
-                   "messages from the shared rings, so the parent then fails with 'corrupted message header "
-                   "from rank 0 (magic 0x0 ...)' or loses the data; the child gets no 'forked' DistError")
 @pytest.mark.parametrize("what", ["wait", "is_completed"])
 def test_forked_child_touching_the_parents_requests_gets_an_error(run_ranks, what):
     got = run_ranks(fork_touches_request, 2, what, timeout=60, errors="return")[1]
@@ -467,12 +462,6 @@ def destroy_while_another_thread_waits(rank, world_size, init_method, what):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN: destroy_process_group (or of a subgroup) while another thread is "
-                   "blocked in wait() on a receive, or inside all_reduce, kills the process with SIGSEGV (exit -11) instead "
-                   "of failing the request with a DistError: World.close unmaps the segment / arena "
-                   "(group.py World.close -> host.close, coll.close) while the waiter still reads the doorbell "
-                   "or phase words (engine.wait_for -> _core.bell_value/wait_bell; collectives._sleep_until -> "
-                   "_core.wait_phase)")
 @pytest.mark.parametrize("what", ["recv", "all_reduce", "subgroup all_reduce"])
 def test_destroy_while_another_thread_waits(run_ranks, what):
     got = run_ranks(destroy_while_another_thread_waits, 2, what, timeout=60, errors="return")

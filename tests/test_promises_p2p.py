@@ -522,9 +522,6 @@ def pending_at_subgroup_destroy(rank, world_size, init_method):
     return res
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN: destroy_process_group(subgroup) leaves receives posted on "
-                   "that group pending (wait() times out, the group can never deliver) instead of failing "
-                   "them with a DistError as README's 'Requests still pending at destroy fail' says")
 def test_requests_pending_at_subgroup_destroy_fail(run_ranks):
     assert run_ranks(pending_at_subgroup_destroy, 2, timeout=60)[0] is True
 
@@ -695,10 +692,6 @@ def test_a_cancelled_receive_lets_the_next_one_take_the_message(run_ranks):
     assert got["first"] is True and got["second_got_it"] is True
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN (minor): a receive cancelled by wait(timeout) is never marked "
-                   "done: is_completed() stays False and exception() None forever, and a second wait() "
-                   "times out again saying 'part of the message already moved, so it stays pending: wait() "
-                   "again' (engine._time_out raises without completing the request it cancelled)")
 def test_a_cancelled_receive_reports_itself_failed(run_ranks):
     got = run_ranks(cancelled_then, 2, timeout=60)[1]
     assert got["state"] == (True, "DistTimeoutError") and got["again"] == "cancelled", got
