@@ -72,14 +72,40 @@ def reinit_same_method(rank, world_size, init_method, rounds):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN: init -> destroy -> init again with the same init_method "
-                   "(what every env:// script does) races: a rank that destroys early reconnects to rank 0's "
-                   "*previous* store, still up, and fails with 'rank 2 is already claimed by another process' "
-                   "while the others time out waiting for it (group.destroy_process_group closes the store "
-                   "without a barrier; store keys are not per incarnation, group._setup 'claim/'). "
-                   "Made certain by rank 0 leaving 0.5 s after the others; without that, 3 runs in 5 failed")
 def test_init_destroy_init_again_with_the_same_init_method(run_ranks):
     got = run_ranks(reinit_same_method, 3, 3, timeout=120, init_method=f"tcp://127.0.0.1:{free_port()}")
+    assert got == [[True] * 3] * 3, got
+
+
+def reinit_same_method_last(rank, world_size, init_method, rounds, last):
+    """As reinit_same_method, with rank ``last`` leaving 0.5 s after the
+    others: rank 0 (the store) last, or first, so that it serves the next
+    job's store while the others still finish the previous one."""
+    out = []
+    for i in range(rounds):
+        try:
+            _init(rank, world_size, init_method, timeout=10)
+        except dist.DistError as e:
+            out.append(f"round {i}: {type(e).__name__}: {e}")
+            return out
+        out.append(bool(_round_trip(rank, world_size, i)))
+        if rank == last:
+            time.sleep(0.5)   # ordering only
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("last", [0, 2])
+def test_init_destroy_init_again_with_the_same_file(run_ranks, tmp_path, last):
+    """file:// too: a rank that inits again does not join the previous job's
+    file, which the last rank to leave removes."""
+    got = run_ranks(reinit_same_method_last, 3, 3, last, timeout=120, init_method=f"file://{tmp_path}/rdv")
+    assert got == [[True] * 3] * 3, got
+    assert not os.path.exists(tmp_path / "rdv")
+
+
+def test_init_destroy_init_again_when_rank_0_leaves_first(run_ranks):
+    got = run_ranks(reinit_same_method_last, 3, 3, 2, timeout=120, init_method=f"tcp://127.0.0.1:{free_port()}")
     assert got == [[True] * 3] * 3, got
 
 
