@@ -109,6 +109,35 @@ def test_init_destroy_init_again_when_rank_0_leaves_first(run_ranks):
     assert got == [[True] * 3] * 3, got
 
 
+def test_a_store_this_process_left_is_refused_clearly(tmp_path):
+    """In one process: a client that left a store and meets it again at the
+    same address (its rank 0 never started the next job) waits, then says so;
+    a fresh client of the same store is served as before."""
+    from shmdist import rendezvous as R
+    master = R.TCPStore("127.0.0.1", 0, is_master=True, timeout=5.0)
+    try:
+        port = master.port
+        left = R.TCPStore("127.0.0.1", port, is_master=False, timeout=5.0)
+        left.close()
+        with pytest.raises(dist.DistTimeoutError, match="previous job this process left"):
+            R.TCPStore("127.0.0.1", port, is_master=False, timeout=0.5)
+        master.set("k", b"v")
+        assert master.get("k", 1.0) == b"v"
+    finally:
+        master.close()
+    path = str(tmp_path / "rdv")
+    first = R.FileStore(path, 2, 5.0)
+    other = R.FileStore(path, 2, 5.0)          # another rank, still in the job
+    first.close()
+    with pytest.raises(dist.DistError, match="previous job this process left"):
+        R.FileStore(path, 2, 0.5)
+    other.close()                              # the last one out removes the file
+    again = R.FileStore(path, 2, 0.5)           # so the next job starts afresh
+    again.set("k", b"v")
+    assert again.get("k", 1.0) == b"v"
+    again.close()
+
+
 # ---------------------------------------------------------------- new_group mismatch
 
 def new_group_disagree(rank, world_size, init_method, variant):
