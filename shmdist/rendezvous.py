@@ -467,7 +467,10 @@ class TCPStore:
     store's nonce) and the store proves it back (HMAC of the client's nonce),
     so a process that bound the port first learns nothing; the client sends
     it nothing but its HELLO. Both also name their job (``job_identity``),
-    and a store refuses a rank of another job.
+    and a store refuses a rank of another job. The store's answer carries its
+    random identity: a process never joins a store it has left (see
+    ``_left_stores``), so init -> destroy -> init with one address waits for
+    rank 0's next store instead of joining the previous job's.
     """
 
     def __init__(self, host: str, port: int, *, is_master: bool, timeout: float,

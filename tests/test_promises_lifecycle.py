@@ -169,7 +169,8 @@ def new_group_disagree(rank, world_size, init_method, variant):
 
 def _take_leaked(job: str) -> list:
     """The segments this test's job left in /dev/shm, removed (they are
-    asserted on by the xfail test below, not by the no_leaks fixture)."""
+    asserted on by test_new_group_mismatch_then_an_agreed_group_works, not by
+    the no_leaks fixture)."""
     found = sorted(glob.glob(f"/dev/shm/shmdist-{job}-*"))
     for path in found:
         os.unlink(path)
