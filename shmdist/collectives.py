@@ -90,7 +90,11 @@ def open_group(world, group) -> "GroupComm":
     data_at = _align(ctl_at + n * CTL_STRIDE)
     size = data_at + 2 * n * slot
     who = f"rank {world.rank}: new_group"
-    key = f"arena/{group.gid}"
+    # Keyed by the group id and its members: a rank can only ever meet the
+    # arena of the very group it asked for (new_group also agrees first).
+    import hashlib   # here, not at the top: this function is all of collectives.py the group work owns
+    members = hashlib.sha1(repr(tuple(group.ranks)).encode()).hexdigest()[:12]
+    key = f"arena/{group.gid}/{members}"
     creator = world.rank == group.ranks[0]
     seg = segment.share(world.store, key, n, creator, size if creator else 0, who, world.timeout,
                         init=lambda s: struct.pack_into("<QQ", s.mm, 64, slot, rounds))

@@ -87,6 +87,17 @@ class World:
         self.pid = os.getpid()
         self.forked = False
         self.lock = threading.Lock()
+        self.last_gid = 0      # group ids this world handed out; 0 is the default group
+
+    def allocate_gid(self) -> int:
+        """The one place shmdist.new_group's group ids come from: the next
+        id, never one handed out before in this world (a failed new_group
+        consumes its id too, so its store keys are never met again). Every
+        rank calls new_group in the same order, so the ids agree. Ids stay
+        below torch.GID_BASE (torch subgroups) and engine.COLLECTIVE_GID."""
+        with self.lock:
+            self.last_gid += 1
+            return self.last_gid
 
     def barrier(self, name: str) -> None:
         """Store-based barrier of every rank of the world (set-up only)."""
@@ -363,23 +374,43 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
     if len(set(members)) != len(members):
         raise DistError(f"{who}: ranks {members} repeat a rank; list each rank once")
     members = tuple(sorted(members))
-    gid = len(w.groups)
+    gid = w.allocate_gid()   # every rank, whatever happens next: ids stay in step and are never reused
     g = ProcessGroup(w, gid, members, _seconds(timeout) if timeout is not None else w.timeout)
-    sig = hashlib.sha1(repr(members).encode()).hexdigest()[:12]
+    # Agree on the members first, through the store, before any arena exists:
+    # ranks that disagree then fail with the mismatch and map nothing.
+    sig = _members_digest(members)
+    w.store.set(f"group/{gid}/ranks/{w.rank}", json.dumps(list(members)).encode())
     w.store.add(f"group/{gid}/sig/{sig}", 1)
-    if g.is_member:
-        g.coll = _open_collectives(w, g)
-    w.barrier(f"group/{gid}/made")
+    w.barrier(f"group/{gid}/asked")
     agree = int(w.store.get(f"group/{gid}/sig/{sig}", w.timeout))
-    w.barrier(f"group/{gid}/checked")   # the last store call: rank 0 may leave right after it
     if agree != w.world_size:
+        theirs = {}
+        for r in range(w.world_size):
+            asked = tuple(json.loads(w.store.get(f"group/{gid}/ranks/{r}", w.timeout)))
+            if asked != members:
+                theirs.setdefault(asked, []).append(r)
+        others = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} asked for {list(a)}"
+                           for a, rs in theirs.items())
+        raise DistMismatchError(f"{who}: this rank asked for a group of ranks {list(members)}, but {others} "
+                                f"(only {agree} of {w.world_size} ranks agree); every rank must call new_group "
+                                "with the same ranks, in the same order")
+    try:
+        if g.is_member:
+            g.coll = _open_collectives(w, g)
+        w.barrier(f"group/{gid}/made")   # the last store call: rank 0 may leave right after it
+    except BaseException:
         if g.coll is not None:
             g.coll.close()
-        raise DistMismatchError(f"{who}: only {agree} of {w.world_size} ranks asked for group {gid} "
-                                f"with ranks {list(members)}; every rank must call new_group with the "
-                                "same ranks, in the same order")
+            g.coll = None
+        g.destroyed = True
+        raise
     w.groups.append(g)
     return g
+
+
+def _members_digest(members) -> str:
+    """A short name for a list of ranks (store keys stay small for any group)."""
+    return hashlib.sha1(repr(tuple(members)).encode()).hexdigest()[:12]
 
 
 # ---------------------------------------------------------------- point to point

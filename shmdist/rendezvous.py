@@ -44,6 +44,17 @@ MAX_OUT = 4 << 20                # replies queued for a client that does not rea
 MAX_CONNS = 4096                 # open connections the store keeps at most (and half the fd limit)
 HELLO_SECONDS = 10.0             # a connection must authenticate and ask something within this
 ACCEPT_PAUSE = 0.1               # seconds the store stops accepting when out of descriptors
+STORE_ID_BYTES = 16              # a store's random identity, after its proof in the HELLO answer
+
+# The identities of the stores this process has left (destroy_process_group,
+# or a failed init): met again at the same address, such a store is still the
+# previous job's (its rank 0 has not closed it yet), so a rank that inits again
+# with the same init_method waits for the new one instead of joining the old.
+_left_stores: set[bytes] = set()
+
+
+class _PreviousStore(Exception):
+    """What answers is a store this process already left."""
 
 
 def recv_exact(sock: socket.socket, n: int, closed: str = "connection closed") -> bytes:
@@ -133,6 +144,7 @@ class _StoreServer:
         self.sock = sock
         self.secret = secret
         self.job = job.encode()
+        self.store_id = os.urandom(STORE_ID_BYTES)
         self.data: dict[str, bytes] = {}
         self.data_bytes = 0
         self.arrived: dict[str, set] = {}
@@ -406,7 +418,7 @@ class _StoreServer:
             self._close_after_reply(conn)
             return
         conn.authed = True
-        self._reply(conn, _OK, _proof(self.secret, b"store", their_nonce, conn.nonce, job))
+        self._reply(conn, _OK, _proof(self.secret, b"store", their_nonce, conn.nonce, job) + self.store_id)
 
     def _close_after_reply(self, conn: _Conn):
         """Refused: send the refusal (best effort, never blocking), then close."""
@@ -455,7 +467,10 @@ class TCPStore:
     store's nonce) and the store proves it back (HMAC of the client's nonce),
     so a process that bound the port first learns nothing; the client sends
     it nothing but its HELLO. Both also name their job (``job_identity``),
-    and a store refuses a rank of another job.
+    and a store refuses a rank of another job. The store's answer carries its
+    random identity: a process never joins a store it has left (see
+    ``_left_stores``), so init -> destroy -> init with one address waits for
+    rank 0's next store instead of joining the previous job's.
     """
 
     def __init__(self, host: str, port: int, *, is_master: bool, timeout: float,
@@ -466,6 +481,7 @@ class TCPStore:
         self.job = job_identity() if job is None else job
         self.server = None
         self.sock = None
+        self.store_id = b""       # the identity of the store this client reached
         self.lock = threading.Lock()
         if is_master:
             self.server = _StoreServer(self._listen(host, port), self.secret, self.job)
@@ -518,11 +534,18 @@ class TCPStore:
                 if s is not None:
                     s.close()
                 raise
-            except (OSError, ConnectionError) as e:
+            except (OSError, ConnectionError, _PreviousStore) as e:
                 if s is not None:
                     s.close()
                 last = e
             if time.monotonic() + delay > deadline:
+                if isinstance(last, _PreviousStore):
+                    raise DistTimeoutError(
+                        f"Error initializing shmdist using {self.scheme} rendezvous: the store at "
+                        f"{self.host}:{self.port} is still the one of the previous job this process left "
+                        f"(destroy_process_group), {timeout:g} s on: rank 0 has not destroyed that job and "
+                        "started this one's store. Call destroy_process_group then init_process_group on "
+                        "every rank, rank 0 included")
                 trouble = self.hint()
                 raise DistTimeoutError(
                     f"Error initializing shmdist using {self.scheme} rendezvous: could not reach the "
@@ -552,10 +575,14 @@ class TCPStore:
                              "same master port: give each job its own")
         if status != _OK:
             raise self._fail(f"the store at {where} answered HELLO with status {status}")
-        if self.secret and not hmac.compare_digest(value, _proof(self.secret, b"store", mine, theirs, job)):
+        proof, store_id = value[:PROOF_BYTES], value[PROOF_BYTES:]
+        if self.secret and not hmac.compare_digest(proof, _proof(self.secret, b"store", mine, theirs, job)):
             raise self._fail(f"the server at {where} could not prove {SECRET_ENV}: it is not this job's store "
                              "(another process may have bound the port first). This rank sent it nothing "
                              "but its own proof; check MASTER_ADDR / MASTER_PORT and who listens there")
+        if store_id and store_id in _left_stores:
+            raise _PreviousStore()
+        self.store_id = store_id
 
     @staticmethod
     def _request_on(sock, op, key, value, tmo):
@@ -633,6 +660,8 @@ class TCPStore:
                 pass
             sock.close()
             self.sock = None
+        if self.store_id:
+            _left_stores.add(self.store_id)
         if self.server is not None:
             deadline = time.monotonic() + linger
             while self.server.conns and time.monotonic() < deadline:
@@ -660,6 +689,27 @@ class FileStore:
         self.secret = secret if secret is not None else os.environ.get(SECRET_ENV) or None
         self.job = job_identity() if job is None else job
         self.closed = True
+        self.store_id = b""
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        while True:
+            try:
+                self._open(path)
+                break
+            except _PreviousStore:
+                if time.monotonic() + delay > deadline:
+                    raise self._fail(f"it is still the store of the previous job this process left "
+                                     f"(destroy_process_group), {timeout:g} s on: a rank of that job has not "
+                                     "destroyed it yet (the last rank to leave removes the file). Call "
+                                     "destroy_process_group then init_process_group on every rank") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
+        self.closed = False
+        self.add("__users__", 1)
+
+    def _open(self, path: str) -> None:
+        """Open the file and check it (or stamp it, if empty); _PreviousStore
+        if it is a store this process already left."""
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
         except OSError as e:
@@ -683,8 +733,6 @@ class FileStore:
         except BaseException:
             os.close(self.fd)
             raise
-        self.closed = False
-        self.add("__users__", 1)
 
     def _fail(self, why: str) -> DistError:
         return DistError(f"Error initializing shmdist using file:// rendezvous: {self.path}: {why}")
@@ -699,6 +747,8 @@ class FileStore:
                 self._append(self.MAGIC, b"1")
                 self._append("__auth__", salt + salt_proof(salt) if self.secret else b"")
                 self._append("__job__", self.job.encode())
+                self.store_id = os.urandom(STORE_ID_BYTES)
+                self._append("__id__", self.store_id)
                 return
             if recs.get(self.MAGIC) != b"1":
                 raise self._fail("it is not a shmdist store file; use a fresh path")
@@ -710,6 +760,10 @@ class FileStore:
             if not self.secret and auth:
                 raise self._fail(f"it was made by a rank with {SECRET_ENV} set; set the same secret in "
                                  "every rank")
+            store_id = recs.get("__id__", b"")
+            if store_id and store_id in _left_stores:
+                raise _PreviousStore()
+            self.store_id = store_id
             theirs = recs.get("__job__", b"").decode(errors="replace")
             if theirs and self.job and theirs != self.job:
                 raise self._fail(f"it belongs to job '{theirs}', this rank to job '{self.job}' ({JOB_ENV} / "
@@ -778,6 +832,8 @@ class FileStore:
         if self.closed:
             return
         self.closed = True
+        if self.store_id:
+            _left_stores.add(self.store_id)
         if self.add("__users__", -1) == 0:
             try:
                 os.unlink(self.path)

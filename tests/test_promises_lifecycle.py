@@ -72,15 +72,70 @@ def reinit_same_method(rank, world_size, init_method, rounds):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN: init -> destroy -> init again with the same init_method "
-                   "(what every env:// script does) races: a rank that destroys early reconnects to rank 0's "
-                   "*previous* store, still up, and fails with 'rank 2 is already claimed by another process' "
-                   "while the others time out waiting for it (group.destroy_process_group closes the store "
-                   "without a barrier; store keys are not per incarnation, group._setup 'claim/'). "
-                   "Made certain by rank 0 leaving 0.5 s after the others; without that, 3 runs in 5 failed")
 def test_init_destroy_init_again_with_the_same_init_method(run_ranks):
     got = run_ranks(reinit_same_method, 3, 3, timeout=120, init_method=f"tcp://127.0.0.1:{free_port()}")
     assert got == [[True] * 3] * 3, got
+
+
+def reinit_same_method_last(rank, world_size, init_method, rounds, last):
+    """As reinit_same_method, with rank ``last`` leaving 0.5 s after the
+    others: rank 0 (the store) last, or first, so that it serves the next
+    job's store while the others still finish the previous one."""
+    out = []
+    for i in range(rounds):
+        try:
+            _init(rank, world_size, init_method, timeout=10)
+        except dist.DistError as e:
+            out.append(f"round {i}: {type(e).__name__}: {e}")
+            return out
+        out.append(bool(_round_trip(rank, world_size, i)))
+        if rank == last:
+            time.sleep(0.5)   # ordering only
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("last", [0, 2])
+def test_init_destroy_init_again_with_the_same_file(run_ranks, tmp_path, last):
+    """file:// too: a rank that inits again does not join the previous job's
+    file, which the last rank to leave removes."""
+    got = run_ranks(reinit_same_method_last, 3, 3, last, timeout=120, init_method=f"file://{tmp_path}/rdv")
+    assert got == [[True] * 3] * 3, got
+    assert not os.path.exists(tmp_path / "rdv")
+
+
+def test_init_destroy_init_again_when_rank_0_leaves_first(run_ranks):
+    got = run_ranks(reinit_same_method_last, 3, 3, 2, timeout=120, init_method=f"tcp://127.0.0.1:{free_port()}")
+    assert got == [[True] * 3] * 3, got
+
+
+def test_a_store_this_process_left_is_refused_clearly(tmp_path):
+    """In one process: a client that left a store and meets it again at the
+    same address (its rank 0 never started the next job) waits, then says so;
+    a fresh client of the same store is served as before."""
+    from shmdist import rendezvous as R
+    master = R.TCPStore("127.0.0.1", 0, is_master=True, timeout=5.0)
+    try:
+        port = master.port
+        left = R.TCPStore("127.0.0.1", port, is_master=False, timeout=5.0)
+        left.close()
+        with pytest.raises(dist.DistTimeoutError, match="previous job this process left"):
+            R.TCPStore("127.0.0.1", port, is_master=False, timeout=0.5)
+        master.set("k", b"v")
+        assert master.get("k", 1.0) == b"v"
+    finally:
+        master.close()
+    path = str(tmp_path / "rdv")
+    first = R.FileStore(path, 2, 5.0)
+    other = R.FileStore(path, 2, 5.0)          # another rank, still in the job
+    first.close()
+    with pytest.raises(dist.DistError, match="previous job this process left"):
+        R.FileStore(path, 2, 0.5)
+    other.close()                              # the last one out removes the file
+    again = R.FileStore(path, 2, 0.5)           # so the next job starts afresh
+    again.set("k", b"v")
+    assert again.get("k", 1.0) == b"v"
+    again.close()
 
 
 # ---------------------------------------------------------------- new_group mismatch
@@ -114,7 +169,8 @@ def new_group_disagree(rank, world_size, init_method, variant):
 
 def _take_leaked(job: str) -> list:
     """The segments this test's job left in /dev/shm, removed (they are
-    asserted on by the xfail test below, not by the no_leaks fixture)."""
+    asserted on by test_new_group_mismatch_then_an_agreed_group_works, not by
+    the no_leaks fixture)."""
     found = sorted(glob.glob(f"/dev/shm/shmdist-{job}-*"))
     for path in found:
         os.unlink(path)
@@ -128,25 +184,12 @@ def test_new_group_with_disagreeing_ranks_raises_mismatch_on_every_rank(run_rank
     assert [g[0] for g in got] == ["mismatch"] * 3, got
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN: ranks 0, 1 call new_group([0, 1]) and rank 2, a little later, "
-                   "new_group([1, 2]): ranks 0 and 1 create and map the arena stored under the group id's key "
-                   "and unlink it (two of two mapped); rank 2 reads the same key (its group has the same id), "
-                   "fails to attach ('segment ... is gone before this rank mapped it', a DistError, not a "
-                   "mismatch) and leaves, so ranks 0 and 1 get DistPeerError 'rank 2 died while the job was being "
-                   "set up' instead of DistMismatchError (group.new_group opens the arena before it compares "
-                   "the ranks lists; collectives.open_group keys it by gid only)")
 def test_new_group_overlapping_disagreement_raises_mismatch_on_every_rank(run_ranks, no_leaks):
     got = run_ranks(new_group_disagree, 3, "overlap", timeout=60, errors="return")
     _take_leaked(no_leaks)
     assert [g[0] if isinstance(g, list) else g for g in got] == ["mismatch"] * 3, got
 
 
-@pytest.mark.xfail(strict=True, reason="BROKEN: after new_group's DistMismatchError the job cannot make "
-                   "another group: the failed call's group id is reused (group.new_group gid = len(w.groups)) "
-                   "with its store keys ('arena/1', '/mapped', the barriers) still set, so the next new_group "
-                   "attaches a stale arena ('segment ... is gone before this rank mapped it') or times out; the "
-                   "failed group's arena is also left in /dev/shm (its mapped count never reaches the group "
-                   "size, segment.share)")
 @pytest.mark.parametrize("variant", ["overlap", "disjoint"])
 def test_new_group_mismatch_then_an_agreed_group_works(run_ranks, no_leaks, variant):
     got = run_ranks(new_group_disagree, 3, variant, timeout=60, errors="return")
