@@ -53,11 +53,17 @@ _LOCAL = {
     _Red.BXOR: torch.bitwise_xor,
 }
 _C10D = torch._C._distributed_c10d
-_Options = (_C10D.AllreduceOptions, _C10D.AllreduceCoalescedOptions, _C10D.BroadcastOptions,
+_Options = frozenset((_C10D.AllreduceOptions, _C10D.AllreduceCoalescedOptions, _C10D.BroadcastOptions,
             _C10D.ReduceOptions, _C10D.AllgatherOptions, _C10D.GatherOptions, _C10D.ScatterOptions,
-            _C10D.ReduceScatterOptions, _C10D.AllToAllOptions, _C10D.BarrierOptions)
+            _C10D.ReduceScatterOptions, _C10D.AllToAllOptions, _C10D.BarrierOptions))
 _AllreduceOptions = dist.AllreduceOptions
+_OPS_BY_VALUE = {red.value: op for red, op in _OPS.items()}
+_LOCAL = {red.value: fn for red, fn in _LOCAL.items()}
+_SUM = _Red.SUM
+_AVG = _Red.AVG.value
 _Tensor = torch.Tensor
+_NO_WAIT = datetime.timedelta(0)
+_work_init = dist.Work.__init__
 
 
 def _timed_out(e: DistTimeoutError) -> DistTimeoutError:
@@ -83,14 +89,14 @@ class ShmWork(dist.Work):
     finished the call, and skips its wait): it saves making one per call."""
 
     def __init__(self, tensors: list, request=None, group=None):
-        super().__init__()
+        _work_init(self)              # dist.Work's own: what super() would find, without the look-up
         self._tensors = tensors
         self._request = request
         self._group = group
 
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+    def wait(self, timeout: datetime.timedelta = _NO_WAIT) -> bool:
         if self._request is not None:
-            seconds = timeout.total_seconds()
+            seconds = 0 if timeout is _NO_WAIT else timeout.total_seconds()
             try:
                 self._request.wait(seconds if seconds > 0 else None)
             except DistTimeoutError as e:
@@ -160,7 +166,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         self._group = group
         self._is_default = is_default
         self._g = None if is_default else group     # what shmdist's calls take: None takes the fast paths
-        self._me, self._n = group.rank(), group.size()
+        self._me, self._n, self._ranks = group.rank(), group.size(), group.ranks
         self._who = f"rank {group.world.rank}: ProcessGroup"
         self._name = ""
         self._desc = ""
@@ -194,13 +200,14 @@ class ShmProcessGroup(dist.ProcessGroup):
         return self._group.ranks[group_rank]
 
     def _op(self, op, call: str) -> ReduceOp:
-        """shmdist's op for an options object, a ReduceOp or a RedOpType."""
-        red = getattr(op, "op", op)
-        if red not in _OPS:
+        """shmdist's op for a ReduceOp (what options objects hold) or a RedOpType."""
+        red = op if op.__class__ is _Red else getattr(op, "op", op)     # RedOpType, or a ReduceOp
+        found = _OPS_BY_VALUE.get(getattr(red, "value", None))
+        if found is None:
             name = getattr(red, "name", repr(red))
             raise DistError(f"rank {self._group.world.rank}: {call}: ReduceOp.{name} is not supported "
                             "by the shm backend; use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR")
-        return _OPS[red]
+        return found
 
     def _tensors(self, tensors, call: str, what: str = "tensors") -> list:
         if isinstance(tensors, _Tensor):
@@ -234,7 +241,7 @@ class ShmProcessGroup(dist.ProcessGroup):
     @staticmethod
     def _work(opts, tensors):
         """A Work, unless torch.distributed's function called without async_op (it then takes None)."""
-        if opts is not None and opts.__class__ in _Options and not opts.asyncOp:
+        if opts.__class__ in _Options and not opts.asyncOp:
             return None
         return ShmWork(tensors)
 
@@ -243,13 +250,13 @@ class ShmProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None, op=None, timeout=None):
         try:
             if opts.__class__ is _AllreduceOptions:
-                red = opts.reduceOp.op
-                if red is _Red.SUM and tensors.__class__ is list and len(tensors) == 1:
+                red = opts.reduceOp
+                if red == _SUM and tensors.__class__ is list and len(tensors) == 1:   # the common call
                     api.all_reduce(tensors[0], ReduceOp.SUM, self._g)
-                    return None if not opts.asyncOp else ShmWork(tensors)
+                    return ShmWork(tensors) if opts.asyncOp else None
             else:
                 red = op if opts is None else opts       # allreduce(tensors, op) or (tensor, op=...)
-                red = _Red.SUM if red is None else getattr(red, "op", red)
+                red = _SUM if red is None else red
             tensors = self._tensors(tensors, "allreduce")
             rop = self._op(red, "all_reduce")
             if len(tensors) == 1:
@@ -263,10 +270,11 @@ class ShmProcessGroup(dist.ProcessGroup):
     def _allreduce_several(self, tensors, red, rop) -> None:
         """gloo's allreduce of several tensors: one result over the ranks and the tensors, in each."""
         self._alike(tensors, "allreduce")
+        value = (red if red.__class__ is _Red else red.op).value
         acc = tensors[0].clone()
         for t in tensors[1:]:
-            acc = _LOCAL[red](acc, t)
-        if red is _Red.AVG:          # the mean over ranks and tensors
+            acc = _LOCAL[value](acc, t)
+        if value == _AVG:            # the mean over ranks and tensors
             acc = acc / len(tensors)
         api.all_reduce(acc, rop, self._g)
         for t in tensors:
@@ -320,9 +328,9 @@ class ShmProcessGroup(dist.ProcessGroup):
     def reduce(self, tensors, opts=None, root=None, op=None, timeout=None):
         try:
             if opts is None:                                # reduce(tensor, root=r, op=...)
-                root_rank, red = (0 if root is None else root), (_Red.SUM if op is None else op)
+                root_rank, red = (0 if root is None else root), (_SUM if op is None else op)
             elif isinstance(opts, int):                     # reduce(tensor, r, op)
-                root_rank, red = opts, root if root is not None else _Red.SUM if op is None else op
+                root_rank, red = opts, root if root is not None else _SUM if op is None else op
             else:
                 root_rank, red = opts.rootRank, opts.reduceOp
             t = self._single(tensors, "reduce")
@@ -448,7 +456,7 @@ class ShmProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors, input_lists, opts=None, op=None, timeout=None):
         try:
             if isinstance(output_tensors, _Tensor):         # reduce_scatter(output, input_list, op)
-                red = opts if opts is not None else _Red.SUM if op is None else op
+                red = opts if opts is not None else _SUM if op is None else op
                 output_tensors, input_lists, opts = [output_tensors], [input_lists], None
             else:
                 red = (opts or _C10D.ReduceScatterOptions()).reduceOp
@@ -524,7 +532,9 @@ class ShmProcessGroup(dist.ProcessGroup):
     def send(self, tensors, dst: int, tag: int):
         try:
             t = tensors[0] if tensors.__class__ is list and len(tensors) == 1 else self._single(tensors, "send")
-            request = shmdist.send(t, self._peer(dst, "send", "destination rank"), self._g, tag)
+            peer = self._ranks[dst] if dst.__class__ is int and 0 <= dst < self._n else \
+                self._peer(dst, "send", "destination rank")
+            request = shmdist.send(t, peer, self._g, tag)
             return ShmWork(tensors, request, self._group)
         except DistTimeoutError as e:
             raise _timed_out(e) from None
@@ -532,7 +542,9 @@ class ShmProcessGroup(dist.ProcessGroup):
     def recv(self, tensors, src: int, tag: int):
         try:
             t = tensors[0] if tensors.__class__ is list and len(tensors) == 1 else self._single(tensors, "recv")
-            request = shmdist.recv(t, self._peer(src, "recv", "source rank"), self._g, tag)
+            peer = self._ranks[src] if src.__class__ is int and 0 <= src < self._n else \
+                self._peer(src, "recv", "source rank")
+            request = shmdist.recv(t, peer, self._g, tag)
             return ShmWork(tensors, request, self._group)
         except DistTimeoutError as e:
             raise _timed_out(e) from None
