@@ -3,7 +3,7 @@
     BACKEND=shm WORLD_SIZE=3 python tests/torch_suite_driver.py [-k PATTERN | TestDistBackendWithSpawn.test_x ...]
 
 BACKEND is "shm" (shmdist.torch) or "gloo"; WORLD_SIZE is the number of ranks;
-SHMDIST_SUITE_GATES=gloo evaluates torch's skip conditions for gloo (below).
+SHMDIST_SUITE_GATES=gloo makes torch's file read BACKEND "gloo" (below).
 TEMP_DIR is made here when it is not set (torch's setUp makes a fresh one per
 test anyway). Every test spawns WORLD_SIZE fresh processes ("spawn" start
 method); each of them imports this module again, so the declarations below
@@ -13,9 +13,11 @@ The only thing added to torch's file: "shm" is declared in torch's tables of
 backend features (``DistTestCases``), for what it implements as gloo does:
 subgroups, DDP, and "plugin" (a backend registered from Python, which
 ``require_backend_is_available`` accepts). No test's body or assertion is
-touched; tests gated on ``BACKEND == "gloo"`` by name stay skipped on "shm".
+touched; tests gated on ``BACKEND == "gloo"`` by name stay skipped on "shm"
+unless SHMDIST_SUITE_GATES=gloo.
 
-Run as a script, it prints one line per test and then a JSON summary line
+``--runnable`` lists the tests that the skip conditions evaluated at import
+let run. Run as a script, it prints one line per test and then a JSON summary line
 ``SUMMARY {...}`` with the names that passed, failed (with the first lines of
 the error) and were skipped (with the reason); tests/test_torch_suite.py reads it.
 """
@@ -27,8 +29,12 @@ import sys
 import tempfile
 import time
 import unittest
+from datetime import timedelta
 
-os.environ.setdefault("BACKEND", "shm")
+# the backend the ranks run on; kept in its own variable, since BACKEND is
+# what torch's file reads (see SHMDIST_SUITE_GATES below) and the ranks
+# inherit this environment
+REAL = os.environ.setdefault("SHMDIST_SUITE_BACKEND", os.environ.get("BACKEND", "shm"))
 os.environ.setdefault("WORLD_SIZE", "2")
 if "TEMP_DIR" not in os.environ:
     os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="shmdist-torch-suite-")
@@ -40,7 +46,6 @@ import torch.distributed as dist  # noqa: E402
 import shmdist.torch  # noqa: E402,F401  (registers the backend "shm")
 from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
 
-BACKEND = os.environ["BACKEND"]
 # what "shm" implements, declared to torch's tables (before distributed_test is
 # imported: its skip decorators read them when the class body runs)
 for feature in ("subgroup", "ddp", "plugin"):
@@ -48,19 +53,22 @@ for feature in ("subgroup", "ddp", "plugin"):
 
 torch.backends.cuda.matmul.allow_tf32 = False
 
-# SHMDIST_SUITE_GATES=gloo: torch's file names gloo in many of its skip
-# conditions (BACKEND != "gloo", require_backend_is_available({"gloo"})),
-# evaluated once, when the file is imported. In this mode they are evaluated
-# for "gloo" and the tests then run on BACKEND: exactly the tests gloo runs.
-GATES = os.environ.get("SHMDIST_SUITE_GATES", BACKEND)
+# SHMDIST_SUITE_GATES=gloo: torch's file names gloo in many skip conditions
+# (BACKEND != "gloo", require_backend_is_available({"gloo"})) and in a few
+# test bodies (``if BACKEND == "gloo": ddp_model = ...``). In this mode the
+# file reads BACKEND "gloo" (its skip conditions and bodies are gloo's: it
+# runs exactly the tests gloo runs, the way it runs them on gloo) while the
+# ranks initialise the default group with the real backend (``_run`` below),
+# so every collective of the default group and of its subgroups runs on it.
+GATES = os.environ.get("SHMDIST_SUITE_GATES", REAL)
 os.environ["BACKEND"] = GATES
-from torch.testing._internal.distributed import distributed_test  # noqa: E402
+BACKEND = REAL
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
+    CUSTOM_PG_TIMEOUT,
     DistributedTest,
     TestDistBackend,
+    default_pg_timeout,
 )
-os.environ["BACKEND"] = BACKEND
-distributed_test.BACKEND = BACKEND      # what the ranks initialise with, and the tests' bodies read
 
 
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
@@ -68,6 +76,21 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
         super().setUp()
         self._spawn_processes()
         torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
+
+    @classmethod
+    def _run(cls, rank, test_name, file_name, pipe, **kwargs):
+        """TestDistBackend._run (a rank's life), initialising with REAL rather than torch's BACKEND."""
+        self = cls(test_name)
+        self.rank = rank
+        self.file_name = file_name
+        timeout = timedelta(seconds=CUSTOM_PG_TIMEOUT.get(test_name, default_pg_timeout))
+        dist.init_process_group(init_method=self.init_method, backend=REAL,
+                                world_size=int(self.world_size), rank=self.rank, timeout=timeout)
+        self._barrier()
+        self.run_test(test_name, pipe)
+        self._barrier()
+        dist.destroy_process_group()
+        sys.exit(0)
 
 
 class _Recorder(unittest.TextTestResult):
@@ -113,6 +136,11 @@ class _Recorder(unittest.TextTestResult):
 
 def main(argv: list[str]) -> int:
     loader = unittest.TestLoader()
+    if argv[:1] == ["--runnable"]:      # the tests the skip conditions evaluated at import let run
+        for name in loader.getTestCaseNames(TestDistBackendWithSpawn):
+            if not getattr(getattr(TestDistBackendWithSpawn, name), "__unittest_skip__", False):
+                print(name)
+        return 0
     pattern = None
     if argv[:1] == ["-k"]:
         pattern, argv = argv[1], argv[2:]
@@ -124,7 +152,7 @@ def main(argv: list[str]) -> int:
             suite = unittest.TestSuite(t for t in suite if pattern in t.id())
     runner = unittest.TextTestRunner(resultclass=_Recorder, verbosity=2, stream=sys.stderr)
     result = runner.run(suite)
-    print("SUMMARY " + json.dumps({"backend": BACKEND, "gates": GATES, "world_size": int(os.environ["WORLD_SIZE"]),
+    print("SUMMARY " + json.dumps({"backend": REAL, "gates": GATES, "world_size": int(os.environ["WORLD_SIZE"]),
                                    "outcomes": result.outcomes}), flush=True)
     return 0
 
