@@ -141,6 +141,7 @@ def _torch_rank(rank: int, world: int, port: int, backend: str, kind: str, out) 
         rows["barrier"] = _median_us(dist.barrier, ROW_ITERS["barrier"])
     else:                                        # a DDP step
         from torch.nn.parallel import DistributedDataParallel
+        torch.set_num_threads(1)                 # one core per rank: ranks do not fight over cores
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
                                     torch.nn.ReLU(), torch.nn.Linear(256, 10))
