@@ -2,6 +2,19 @@
 
     pytest bench/test_bench_torch.py --benchmark-only --benchmark-group-by=group
 
+The torch path's rows (the table of README's torch section), shm against gloo
+measured interleaved, round by round, each figure a median with its range
+over the rounds:
+
+    python bench/test_bench_torch.py rows [--rounds 3]
+
+- send/recv of 8 bytes one way (half a ping-pong), all_reduce of 4 KiB and
+  barrier through torch.distributed, 2 ranks;
+- shmdist's own send/recv of 8 bytes one way with a torch tensor and with a
+  numpy array (the cost of taking torch tensors);
+- the step of a small DDP model (3 Linear layers of 256, batch 32, SGD) on
+  2 and 4 ranks.
+
 float32 SUM of 4 KiB ... 64 MiB between 2 ranks, both backends in one run,
 grouped by size so that the table reads as the ratio of the two. The pytest
 process is rank 0; this file, run as a script, is rank 1 and follows its
@@ -88,5 +101,157 @@ def test_all_reduce(benchmark, backend, nbytes):
         step()
 
 
+# ---------------------------------------------------------------- the torch path's rows
+
+ROW_ITERS = {"p2p": 3000, "all_reduce": 3000, "barrier": 3000, "own": 5000, "ddp": 30}
+
+
+def _median_us(step, iters: int, reps: int = 5) -> float:
+    """Median over ``reps`` batches of the mean time of one ``step``, in microseconds."""
+    import statistics
+    import time
+    for _ in range(max(iters // 10, 5)):
+        step()
+    batches = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        batches.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(batches)
+
+
+def _torch_rank(rank: int, world: int, port: int, backend: str, kind: str, out) -> None:
+    import shmdist.torch  # noqa: F401
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rows = {}
+    if kind == "calls":
+        t = torch.zeros(2)                       # 8 bytes
+
+        def ping():
+            if rank == 0:
+                dist.send(t, 1)
+                dist.recv(t, 1)
+            else:
+                dist.recv(t, 0)
+                dist.send(t, 0)
+        rows["send/recv 8 B one way"] = _median_us(ping, ROW_ITERS["p2p"]) / 2
+        buf = torch.zeros(KiB)                   # 4 KiB of float32
+        rows["all_reduce 4 KiB"] = _median_us(lambda: dist.all_reduce(buf), ROW_ITERS["all_reduce"])
+        rows["barrier"] = _median_us(dist.barrier, ROW_ITERS["barrier"])
+    else:                                        # a DDP step
+        from torch.nn.parallel import DistributedDataParallel
+        torch.set_num_threads(1)                 # one core per rank: ranks do not fight over cores
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                    torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        x, y = torch.randn(32, 256), torch.randn(32, 10)
+
+        def step():
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        rows[f"DDP step, {world} ranks"] = _median_us(step, ROW_ITERS["ddp"])
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(rows)
+
+
+def _own_rank(rank: int, world: int, port: int, backend: str, kind: str, out) -> None:
+    import numpy as np
+    import shmdist
+    shmdist.init_process_group("shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rows = {}
+    for name, buf in (("numpy array", np.zeros(2, np.float32)), ("torch tensor", torch.zeros(2))):
+        def ping():
+            if rank == 0:
+                shmdist.send(buf, 1).wait()
+                shmdist.recv(buf, 1).wait()
+            else:
+                shmdist.recv(buf, 0).wait()
+                shmdist.send(buf, 0).wait()
+        rows[f"shmdist send/recv 8 B one way, {name}"] = _median_us(ping, ROW_ITERS["own"]) / 2
+    shmdist.destroy_process_group()
+    if rank == 0:
+        out.put(rows)
+
+
+def _job(target, world: int, backend: str, kind: str) -> dict:
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, backend, kind, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        rows = out.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+    return rows
+
+
+def torch_path_rows(rounds: int = 3) -> dict:
+    """{row: {backend: [figure of each round]}}, shm and gloo interleaved in every round."""
+    figures: dict = {}
+
+    def keep(backend, rows):
+        for row, value in rows.items():
+            figures.setdefault(row, {}).setdefault(backend, []).append(value)
+    for _ in range(rounds):
+        for backend in ("shm", "gloo"):
+            keep(backend, _job(_torch_rank, 2, backend, "calls"))
+        keep("shmdist", _job(_own_rank, 2, "shm", "own"))
+        for world in (2, 4):
+            for backend in ("shm", "gloo"):
+                keep(backend, _job(_torch_rank, world, backend, "ddp"))
+    return figures
+
+
+def rows_table(figures: dict) -> str:
+    import statistics
+
+    def cell(values):
+        if not values:
+            return ""
+        return f"{statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f})"
+    lines = ["| torch path, µs (median, range over rounds) | shm | gloo |", "|---|---|---|"]
+    for row, by in figures.items():
+        if "shmdist" in by:
+            lines.append(f"| {row} | {cell(by['shmdist'])} | |")
+        else:
+            lines.append(f"| {row} | {cell(by.get('shm', []))} | {cell(by.get('gloo', []))} |")
+    return "\n".join(lines)
+
+
+@pytest.mark.timeout(1200)
+def test_torch_path_rows():
+    """The torch path's rows, one quick round (the figures: ``python bench/test_bench_torch.py rows``)."""
+    global ROW_ITERS
+    saved, ROW_ITERS = ROW_ITERS, {k: max(v // 10, 10) for k, v in ROW_ITERS.items()}
+    try:
+        figures = torch_path_rows(rounds=1)
+    finally:
+        ROW_ITERS = saved
+    print(rows_table(figures))
+    assert {"send/recv 8 B one way", "all_reduce 4 KiB", "barrier", "DDP step, 2 ranks",
+            "DDP step, 4 ranks"} <= set(figures)
+    assert all(v > 0 for by in figures.values() for values in by.values() for v in values)
+
+
 if __name__ == "__main__":
-    partner(sys.argv[1], int(sys.argv[2]))
+    if sys.argv[1] == "rows":
+        import argparse
+        ap = argparse.ArgumentParser(description="the torch path's rows: shm against gloo, interleaved")
+        ap.add_argument("--rounds", type=int, default=3)
+        args = ap.parse_args(sys.argv[2:])
+        print(rows_table(torch_path_rows(args.rounds)))
+    else:
+        partner(sys.argv[1], int(sys.argv[2]))

@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 import shmdist
 from shmdist import collective_api as api
-from shmdist import collectives, group as groups, rendezvous
-from shmdist.errors import DistError, DistPeerError
+from shmdist import group as groups, rendezvous
+from shmdist.errors import DistError, DistPeerError, DistTimeoutError
 from shmdist.reduce_ops import ReduceOp
 
 BACKEND = "shm"
@@ -46,22 +46,61 @@ _OPS = {
     _Red.MIN: ReduceOp.MIN, _Red.MAX: ReduceOp.MAX, _Red.BAND: ReduceOp.BAND,
     _Red.BOR: ReduceOp.BOR, _Red.BXOR: ReduceOp.BXOR,
 }
+# the same reductions on local tensors (several tensors in one allreduce, as gloo reduces them)
+_LOCAL = {
+    _Red.SUM: torch.add, _Red.AVG: torch.add, _Red.PRODUCT: torch.mul, _Red.MIN: torch.minimum,
+    _Red.MAX: torch.maximum, _Red.BAND: torch.bitwise_and, _Red.BOR: torch.bitwise_or,
+    _Red.BXOR: torch.bitwise_xor,
+}
+_C10D = torch._C._distributed_c10d
+_Options = frozenset((_C10D.AllreduceOptions, _C10D.AllreduceCoalescedOptions, _C10D.BroadcastOptions,
+            _C10D.ReduceOptions, _C10D.AllgatherOptions, _C10D.GatherOptions, _C10D.ScatterOptions,
+            _C10D.ReduceScatterOptions, _C10D.AllToAllOptions, _C10D.BarrierOptions))
+_AllreduceOptions = dist.AllreduceOptions
+_OPS_BY_VALUE = {red.value: op for red, op in _OPS.items()}
+_LOCAL = {red.value: fn for red, fn in _LOCAL.items()}
+_SUM = _Red.SUM
+_AVG = _Red.AVG.value
+_Tensor = torch.Tensor
+_NO_WAIT = datetime.timedelta(0)
+_work_init = dist.Work.__init__
+
+
+def _timed_out(e: DistTimeoutError) -> DistTimeoutError:
+    """The same error, worded as torch's backends word a timeout ("Timed out"),
+    which scripts and torch's own tests match."""
+    text = str(e)
+    if " Timed out " in text:
+        return e
+    worded = text.replace(" timed out ", " Timed out ", 1)
+    if worded == text:
+        worded = f"{text} (shm backend: Timed out waiting for the group's timeout)"
+    out = DistTimeoutError(worded)
+    out.__cause__ = e.__cause__
+    return out
 
 
 class ShmWork(dist.Work):
     """The Work torch callers get. ``request`` is the pending shmdist request
-    of a send or receive; collectives are complete when their Work is made."""
+    of a send or receive; collectives are complete when their Work is made.
+
+    Collectives called through torch.distributed's functions without
+    ``async_op`` get no Work at all (torch accepts None from a backend that
+    finished the call, and skips its wait): it saves making one per call."""
 
     def __init__(self, tensors: list, request=None, group=None):
-        super().__init__()
+        _work_init(self)              # dist.Work's own: what super() would find, without the look-up
         self._tensors = tensors
         self._request = request
         self._group = group
 
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+    def wait(self, timeout: datetime.timedelta = _NO_WAIT) -> bool:
         if self._request is not None:
-            seconds = timeout.total_seconds()
-            self._request.wait(seconds if seconds > 0 else None)
+            seconds = 0 if timeout is _NO_WAIT else timeout.total_seconds()
+            try:
+                self._request.wait(seconds if seconds > 0 else None)
+            except DistTimeoutError as e:
+                raise _timed_out(e) from None
         return True
 
     def is_completed(self) -> bool:
@@ -94,15 +133,46 @@ class ShmWork(dist.Work):
         return self._group.group_rank(self._request.source)
 
 
+def _cpu_backend(rank: int, size: int):
+    """What ``ProcessGroup._get_backend(torch.device("cpu"))`` returns for an shm group.
+
+    torch keeps a C++ ``Backend`` per device type on each ProcessGroup, and
+    some of its code asks for it (FSDP2 asks it whether it allocates tensors,
+    ``batch_isend_irecv`` whether it coalesces). A backend written in Python
+    can only be a ProcessGroup subclass, as this one is: torch offers no
+    Python-subclassable C++ Backend. So the CPU slot holds torch's
+    FakeProcessGroup with ``error_on_collective``: it answers those questions
+    (no tensor allocator, no splitting, no coalescing) and a collective sent
+    to it directly, past the group, raises instead of silently doing nothing.
+    Every collective through the group, or through torch.distributed's
+    functions, runs on shm."""
+    opts = _C10D.FakeProcessGroup.Options()
+    opts.error_on_collective = True
+    return _C10D.FakeProcessGroup._create_internal(rank, size, opts)
+
+
 class ShmProcessGroup(dist.ProcessGroup):
-    """A torch ProcessGroup whose calls run on the shmdist group ``group``."""
+    """A torch ProcessGroup whose calls run on the shmdist group ``group``.
+
+    Its methods take every form torch's ProcessGroup methods take (a list of
+    tensors and an options object, or the convenience forms: a bare tensor,
+    ``root=``, ``op=``), and check their arguments as gloo does: several
+    tensors in one call reduce or broadcast together (``opts.rootTensor``
+    picks the root's tensor), an empty list, mixed dtypes or sizes, or a root
+    outside the group are refused with an error naming the call."""
 
     def __init__(self, group: shmdist.ProcessGroup, is_default: bool):
         super().__init__(group.rank(), group.size())
         self._group = group
         self._is_default = is_default
+        self._g = None if is_default else group     # what shmdist's calls take: None takes the fast paths
+        self._me, self._n, self._ranks = group.rank(), group.size(), group.ranks
+        self._who = f"rank {group.world.rank}: ProcessGroup"
         self._name = ""
         self._desc = ""
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM,
+                               _cpu_backend(self._me, self._n))
+        self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
 
     # ------------------------------------------------------------ identity
 
@@ -121,115 +191,370 @@ class ShmProcessGroup(dist.ProcessGroup):
     def getGroupDesc(self) -> str:
         return self._desc
 
-    def _global(self, group_rank: int) -> int:
+    # ------------------------------------------------------------ argument checks
+
+    def _global(self, group_rank, call: str, what: str = "root rank") -> int:
+        if not isinstance(group_rank, int) or isinstance(group_rank, bool) or not 0 <= group_rank < self._n:
+            raise DistError(f"{self._who}.{call}: invalid {what}: {group_rank!r}; the group has ranks "
+                            f"0..{self._n - 1} (torch passes group ranks to ProcessGroup methods)")
         return self._group.ranks[group_rank]
 
-    def _op(self, opts, call: str) -> ReduceOp:
-        red = opts.reduceOp.op
-        if red not in _OPS:
-            raise DistError(f"rank {self._group.world.rank}: {call}: ReduceOp.{red.name} is not supported "
+    def _op(self, op, call: str) -> ReduceOp:
+        """shmdist's op for a ReduceOp (what options objects hold) or a RedOpType."""
+        red = op if op.__class__ is _Red else getattr(op, "op", op)     # RedOpType, or a ReduceOp
+        found = _OPS_BY_VALUE.get(getattr(red, "value", None))
+        if found is None:
+            name = getattr(red, "name", repr(red))
+            raise DistError(f"rank {self._group.world.rank}: {call}: ReduceOp.{name} is not supported "
                             "by the shm backend; use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR")
-        return _OPS[red]
+        return found
+
+    def _tensors(self, tensors, call: str, what: str = "tensors") -> list:
+        if isinstance(tensors, _Tensor):
+            return [tensors]
+        if not isinstance(tensors, (list, tuple)) or not tensors:
+            got = "an empty list" if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+            raise DistError(f"{self._who}.{call}: {what} must be a non-empty list of tensors, got {got}")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, _Tensor):
+                raise DistError(f"{self._who}.{call}: {what}[{i}] is a {type(t).__name__}, not a tensor")
+        return tensors
+
+    def _alike(self, tensors, call: str, what: str = "tensors", sizes: bool = True) -> None:
+        """gloo's rule for several tensors in one call: one dtype (and one size)."""
+        first = tensors[0]
+        for i, t in enumerate(tensors[1:], 1):
+            if t.dtype != first.dtype or (sizes and t.shape != first.shape):
+                raise DistError(
+                    f"{self._who}.{call}: invalid tensor {'type' if t.dtype != first.dtype else 'size'} "
+                    f"at index {i} of {what}: {str(t.dtype)[6:]}{list(t.shape)}, but {what}[0] is "
+                    f"{str(first.dtype)[6:]}{list(first.shape)}; tensors of one call must have one "
+                    f"dtype{' and size' if sizes else ''}")
+
+    def _single(self, tensors, call: str, what: str = "tensors") -> _Tensor:
+        tensors = self._tensors(tensors, call, what)
+        if len(tensors) != 1:
+            raise DistError(f"{self._who}.{call}: requires a single-element list of {what}, got "
+                            f"{len(tensors)} (as gloo); make one call per tensor")
+        return tensors[0]
+
+    @staticmethod
+    def _work(opts, tensors):
+        """A Work, unless torch.distributed's function called without async_op (it then takes None)."""
+        if opts.__class__ in _Options and not opts.asyncOp:
+            return None
+        return ShmWork(tensors)
 
     # ------------------------------------------------------------ collectives
 
-    def allreduce(self, tensors, opts=None):
-        op = self._op(opts or dist.AllreduceOptions(), "all_reduce")
+    def allreduce(self, tensors, opts=None, op=None, timeout=None):
+        try:
+            if opts.__class__ is _AllreduceOptions:
+                red = opts.reduceOp
+                if red == _SUM and tensors.__class__ is list and len(tensors) == 1:   # the common call
+                    api.all_reduce(tensors[0], ReduceOp.SUM, self._g)
+                    return ShmWork(tensors) if opts.asyncOp else None
+            else:
+                red = op if opts is None else opts       # allreduce(tensors, op) or (tensor, op=...)
+                red = _SUM if red is None else red
+            tensors = self._tensors(tensors, "allreduce")
+            rop = self._op(red, "all_reduce")
+            if len(tensors) == 1:
+                api.all_reduce(tensors[0], rop, self._g)
+            else:
+                self._allreduce_several(tensors, red, rop)
+            return self._work(opts, tensors)
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
+
+    def _allreduce_several(self, tensors, red, rop) -> None:
+        """gloo's allreduce of several tensors: one result over the ranks and the tensors, in each."""
+        self._alike(tensors, "allreduce")
+        value = (red if red.__class__ is _Red else red.op).value
+        acc = tensors[0].clone()
+        for t in tensors[1:]:
+            acc = _LOCAL[value](acc, t)
+        if value == _AVG:            # the mean over ranks and tensors
+            acc = acc / len(tensors)
+        api.all_reduce(acc, rop, self._g)
         for t in tensors:
-            api.all_reduce(t, op, self._group)
-        return ShmWork(tensors)
+            t.copy_(acc)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        op = self._op(opts or dist.AllreduceCoalescedOptions(), "all_reduce_coalesced")
-        for t in tensors:
-            api.all_reduce(t, op, self._group)
-        return ShmWork(tensors)
+        """One reduction over the tensors laid end to end, as gloo does: a
+        tensor listed twice is reduced once (it gets the same result twice)."""
+        try:
+            tensors = self._tensors(tensors, "allreduce_coalesced")
+            rop = self._op((opts or _C10D.AllreduceCoalescedOptions()).reduceOp, "all_reduce_coalesced")
+            self._alike(tensors, "allreduce_coalesced", sizes=False)
+            if len(tensors) == 1:
+                api.all_reduce(tensors[0], rop, self._g)
+            else:
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+                api.all_reduce(flat, rop, self._g)
+                at = 0
+                for t in tensors:
+                    n = t.numel()
+                    t.copy_(flat[at:at + n].view(t.shape))
+                    at += n
+            return self._work(opts, tensors)
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
 
-    def broadcast(self, tensors, opts=None):
-        src = self._global((opts or dist.BroadcastOptions()).rootRank)
-        for t in tensors:
-            api.broadcast(t, src, self._group)
-        return ShmWork(tensors)
+    def broadcast(self, tensors, opts=None, root=None, timeout=None):
+        try:
+            if opts is None or isinstance(opts, int):       # broadcast(tensor, root) / (tensor, root=r)
+                root_rank, root_tensor = (opts if opts is not None else 0 if root is None else root), 0
+            else:
+                root_rank, root_tensor = opts.rootRank, opts.rootTensor
+            tensors = self._tensors(tensors, "broadcast")
+            src = self._global(root_rank, "broadcast")
+            if not 0 <= root_tensor < len(tensors):
+                raise DistError(f"{self._who}.broadcast: invalid root tensor: {root_tensor}; the call "
+                                f"has {len(tensors)} tensor(s)")
+            if len(tensors) == 1:
+                api.broadcast(tensors[0], src, self._g)
+            else:
+                self._alike(tensors, "broadcast")
+                mine = tensors[root_tensor] if root_rank == self._me else tensors[0]
+                api.broadcast(mine, src, self._g)
+                for t in tensors:
+                    if t is not mine:
+                        t.copy_(mine)
+            return self._work(opts, tensors)
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
 
-    def reduce(self, tensors, opts=None):
-        opts = opts or dist.ReduceOptions()
-        op = self._op(opts, "reduce")
-        for t in tensors:
-            api.reduce(t, self._global(opts.rootRank), op, self._group)
-        return ShmWork(tensors)
+    def reduce(self, tensors, opts=None, root=None, op=None, timeout=None):
+        try:
+            if opts is None:                                # reduce(tensor, root=r, op=...)
+                root_rank, red = (0 if root is None else root), (_SUM if op is None else op)
+            elif isinstance(opts, int):                     # reduce(tensor, r, op)
+                root_rank, red = opts, root if root is not None else _SUM if op is None else op
+            else:
+                root_rank, red = opts.rootRank, opts.reduceOp
+            t = self._single(tensors, "reduce")
+            rop = self._op(red, "reduce")
+            api.reduce(t, self._global(root_rank, "reduce"), rop, self._g)
+            return self._work(opts, [t])
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
 
-    def allgather(self, output_tensors, input_tensors, opts=None):
-        for outs, t in zip(output_tensors, input_tensors):
-            api.all_gather(outs, t, self._group)
-        return ShmWork([t for outs in output_tensors for t in outs])
+    def allgather(self, output_tensors, input_tensors, opts=None, timeout=None):
+        try:
+            if isinstance(input_tensors, _Tensor):          # allgather(output_list, input_tensor)
+                output_tensors, input_tensors = [output_tensors], [input_tensors]
+            ins = self._tensors(input_tensors, "allgather", "input_tensors")
+            k, n = len(ins), self._n
+            if not isinstance(output_tensors, (list, tuple)) or len(output_tensors) != k:
+                raise DistError(f"{self._who}.allgather: output_tensors must be a list of {k} list(s) "
+                                "of tensors, one list per input tensor")
+            for i, outs in enumerate(output_tensors):
+                if not isinstance(outs, (list, tuple)) or len(outs) != n * k:
+                    got = len(outs) if isinstance(outs, (list, tuple)) else type(outs).__name__
+                    raise DistError(f"{self._who}.allgather: invalid output tensor list at index {i} "
+                                    f"(expected length {n * k}, got {got})")
+            if k == 1:
+                api.all_gather(output_tensors[0], ins[0], self._g)
+            else:                   # gloo: output j*k + i is input i of group rank j, in every list
+                self._alike(ins, "allgather", "input_tensors")
+                first = output_tensors[0]
+                for i, t in enumerate(ins):
+                    api.all_gather([first[j * k + i] for j in range(n)], t, self._g)
+                for outs in output_tensors[1:]:
+                    for o, f in zip(outs, first):
+                        o.copy_(f)
+            return self._work(opts, [t for outs in output_tensors for t in outs])
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return self.allgather(output_lists, input_list, opts)
+        """torch's layout: ``output_lists[r][i]`` gets ``input_list[i]`` of group rank r."""
+        try:
+            ins = self._tensors(input_list, "allgather_coalesced", "input_list")
+            n = self._n
+            if not isinstance(output_lists, (list, tuple)) or len(output_lists) != n or any(
+                    not isinstance(outs, (list, tuple)) or len(outs) != len(ins) for outs in output_lists):
+                raise DistError(f"{self._who}.allgather_coalesced: output_lists must be {n} lists (one "
+                                f"per rank of the group) of {len(ins)} tensors (one per input), "
+                                "output_lists[rank][i] receiving input i of that rank")
+            for i, t in enumerate(ins):
+                api.all_gather([output_lists[j][i] for j in range(n)], t, self._g)
+            return self._work(opts, [t for outs in output_lists for t in outs])
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
 
     def all_gather_single(self, output, input, opts=None):
-        api.all_gather_into_tensor(output, input, self._group)
-        return ShmWork([output])
+        try:
+            api.all_gather_into_tensor(output, input, self._g)
+            return self._work(opts, [output])
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
+
+    _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        for out, t in zip(outputs, inputs):
-            api.all_gather_into_tensor(out, t, self._group)
-        return ShmWork(list(outputs))
+        try:
+            for out, t in zip(outputs, inputs, strict=True):
+                api.all_gather_into_tensor(out, t, self._g)
+            return self._work(opts, list(outputs))
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
 
-    def gather(self, output_tensors, input_tensors, opts=None):
-        dst = self._global((opts or dist.GatherOptions()).rootRank)
-        gather_list = output_tensors[0] if output_tensors else None
-        api.gather(input_tensors[0], gather_list, dst, self._group)
-        return ShmWork(list(gather_list or []))
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def scatter(self, output_tensors, input_tensors, opts=None):
-        src = self._global((opts or dist.ScatterOptions()).rootRank)
-        scatter_list = input_tensors[0] if input_tensors else None
-        api.scatter(output_tensors[0], scatter_list, src, self._group)
-        return ShmWork(output_tensors)
+    def gather(self, output_tensors, input_tensors, opts=None, root=None, timeout=None):
+        try:
+            if isinstance(input_tensors, _Tensor):          # gather(output_list, input_tensor, root)
+                root_rank = opts if opts is not None else root
+                output_tensors = [output_tensors] if output_tensors else []
+                input_tensors = [input_tensors]
+            else:
+                root_rank = (opts or _C10D.GatherOptions()).rootRank
+            t = self._single(input_tensors, "gather", "input_tensors")
+            dst = self._global(root_rank, "gather")
+            if root_rank == self._me:
+                if not isinstance(output_tensors, (list, tuple)) or len(output_tensors) != 1:
+                    raise DistError(f"{self._who}.gather: the root requires a single-element list of "
+                                    "output lists (one tensor per rank of the group in it)")
+                gather_list = output_tensors[0]
+            else:
+                if output_tensors:
+                    raise DistError(f"{self._who}.gather: requires empty output on non-root ranks "
+                                    f"(this is group rank {self._me}, the root is {root_rank})")
+                gather_list = None
+            api.gather(t, gather_list, dst, self._g)
+            return self._work(opts, list(gather_list or []))
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
 
-    def reduce_scatter(self, output_tensors, input_lists, opts=None):
-        op = self._op(opts or dist.ReduceScatterOptions(), "reduce_scatter")
-        for out, ins in zip(output_tensors, input_lists):
-            api.reduce_scatter(out, ins, op, self._group)
-        return ShmWork(output_tensors)
+    def scatter(self, output_tensors, input_tensors, opts=None, root=None, timeout=None):
+        try:
+            if isinstance(output_tensors, _Tensor):         # scatter(output_tensor, input_list, root)
+                root_rank = opts if opts is not None else root
+                output_tensors = [output_tensors]
+                input_tensors = [input_tensors] if input_tensors else []
+            else:
+                root_rank = (opts or _C10D.ScatterOptions()).rootRank
+            out = self._single(output_tensors, "scatter", "output_tensors")
+            src = self._global(root_rank, "scatter")
+            if root_rank == self._me:
+                if not isinstance(input_tensors, (list, tuple)) or len(input_tensors) != 1:
+                    raise DistError(f"{self._who}.scatter: the root requires a single-element list of "
+                                    "input lists (one tensor per rank of the group in it)")
+                scatter_list = input_tensors[0]
+            else:
+                if input_tensors:
+                    raise DistError(f"{self._who}.scatter: requires empty input on non-root ranks "
+                                    f"(this is group rank {self._me}, the root is {root_rank})")
+                scatter_list = None
+            api.scatter(out, scatter_list, src, self._g)
+            return self._work(opts, [out])
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None, op=None, timeout=None):
+        try:
+            if isinstance(output_tensors, _Tensor):         # reduce_scatter(output, input_list, op)
+                red = opts if opts is not None else _SUM if op is None else op
+                output_tensors, input_lists, opts = [output_tensors], [input_lists], None
+            else:
+                red = (opts or _C10D.ReduceScatterOptions()).reduceOp
+            out = self._single(output_tensors, "reduce_scatter", "output_tensors")
+            if not isinstance(input_lists, (list, tuple)) or len(input_lists) != 1:
+                raise DistError(f"{self._who}.reduce_scatter: requires a single-element list of input "
+                                "lists (one tensor per rank of the group in it)")
+            api.reduce_scatter(out, input_lists[0], self._op(red, "reduce_scatter"), self._g)
+            return self._work(opts, [out])
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
 
     def reduce_scatter_single(self, output, input, opts=None):
-        op = self._op(opts or dist.ReduceScatterOptions(), "reduce_scatter_tensor")
-        api.reduce_scatter_tensor(output, input, op, self._group)
-        return ShmWork([output])
+        try:
+            op = self._op((opts or _C10D.ReduceScatterOptions()).reduceOp, "reduce_scatter_tensor")
+            api.reduce_scatter_tensor(output, input, op, self._g)
+            return self._work(opts, [output])
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
+
+    _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        op = self._op(opts or dist.ReduceScatterOptions(), "reduce_scatter_tensor_coalesced")
-        for out, t in zip(outputs, inputs):
-            api.reduce_scatter_tensor(out, t, op, self._group)
-        return ShmWork(list(outputs))
+        try:
+            op = self._op((opts or _C10D.ReduceScatterOptions()).reduceOp, "reduce_scatter_tensor_coalesced")
+            for out, t in zip(outputs, inputs, strict=True):
+                api.reduce_scatter_tensor(out, t, op, self._g)
+            return self._work(opts, list(outputs))
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        api.all_to_all(output_tensors, input_tensors, self._group)
-        return ShmWork(output_tensors)
+        try:
+            api.all_to_all(output_tensors, input_tensors, self._g)
+            return self._work(opts, output_tensors)
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
 
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        api.all_to_all_single(output, input, output_split_sizes or None, input_split_sizes or None,
-                              self._group)
-        return ShmWork([output])
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None,
+                          timeout=None):
+        try:
+            api.all_to_all_single(output, input, output_split_sizes or None, input_split_sizes or None,
+                                  self._g)
+            return self._work(opts, [output])
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
 
-    def barrier(self, opts=None):
-        api.barrier(self._group)
-        return ShmWork([])
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts=None, timeout=None):
+        try:
+            api.barrier(self._g)
+            return self._work(opts, [])
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
+        """A barrier; one that times out names the ranks it waited for.
+        (torch.distributed.monitored_barrier itself accepts gloo groups only.)"""
+        self.barrier()
 
     # ------------------------------------------------------------ point to point
 
+    def _peer(self, peer, call: str, what: str) -> int | None:
+        """The global rank for shmdist's call (None where the fast path may take it)."""
+        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self._n:
+            raise DistError(f"{self._who}.{call}: invalid {what}: {peer!r}; the group has ranks "
+                            f"0..{self._n - 1} (torch passes group ranks to ProcessGroup methods)")
+        return self._group.ranks[peer]
+
     def send(self, tensors, dst: int, tag: int):
-        request = shmdist.send(tensors[0], self._global(dst), self._group, tag)
-        return ShmWork(tensors, request, self._group)
+        try:
+            t = tensors[0] if tensors.__class__ is list and len(tensors) == 1 else self._single(tensors, "send")
+            peer = self._ranks[dst] if dst.__class__ is int and 0 <= dst < self._n else \
+                self._peer(dst, "send", "destination rank")
+            request = shmdist.send(t, peer, self._g, tag)
+            return ShmWork(tensors, request, self._group)
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
 
     def recv(self, tensors, src: int, tag: int):
-        request = shmdist.recv(tensors[0], self._global(src), self._group, tag)
-        return ShmWork(tensors, request, self._group)
+        try:
+            t = tensors[0] if tensors.__class__ is list and len(tensors) == 1 else self._single(tensors, "recv")
+            peer = self._ranks[src] if src.__class__ is int and 0 <= src < self._n else \
+                self._peer(src, "recv", "source rank")
+            request = shmdist.recv(t, peer, self._g, tag)
+            return ShmWork(tensors, request, self._group)
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
 
     def recv_anysource(self, tensors, tag: int):
-        request = shmdist.recv(tensors[0], None, self._group, tag)
-        return ShmWork(tensors, request, self._group)
+        try:
+            request = shmdist.recv(self._single(tensors, "recv_anysource"), None, self._group, tag)
+            return ShmWork(tensors, request, self._group)
+        except DistTimeoutError as e:
+            raise _timed_out(e) from None
 
     # ------------------------------------------------------------ end
 
@@ -271,7 +596,12 @@ def _world_group(opts) -> ShmProcessGroup:
 
 
 def _subgroup(opts) -> ShmProcessGroup:
-    """A group of torch's new_group, made by its members only."""
+    """A group of torch's new_group, made by its members only.
+
+    It is made as shmdist.new_group makes its groups (the engine for the
+    members' hosts: a shared arena, or the hierarchical one across hosts) and
+    registered in the world, so that leaving the world closes it and
+    ``memory_usage`` counts its arena."""
     ranks = tuple(opts.global_ranks_in_group)
     if not shmdist.is_initialized():
         raise DistError(
@@ -284,7 +614,9 @@ def _subgroup(opts) -> ShmProcessGroup:
         store.set("gid", str(GID_BASE + w.store.add("torch-groups", 1)).encode())
     gid = int(store.get("gid", w.timeout))
     g = groups.ProcessGroup(w, gid, ranks, opts.timeout.total_seconds())
-    g.coll = collectives.open_group(w, g)
+    g.coll = groups._open_collectives(w, g)
+    with w.lock:
+        w.groups.append(g)
     return ShmProcessGroup(g, is_default=False)
 
 

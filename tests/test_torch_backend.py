@@ -7,6 +7,7 @@ every sum is exact in any order and both backends must agree exactly.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
@@ -302,6 +303,264 @@ def peer_exits_early(rank, world_size, init_method):
 def test_destroy_after_a_peer_exited(run_ranks):
     results = run_ranks(peer_exits_early, 2, timeout=60, errors="return")
     assert results[0] is True and results[1].exitcode == 0
+
+
+# ---------------------------------------------------------------- ProcessGroup methods called directly
+
+def _direct_calls(n, me):
+    """Calls on a ProcessGroup object, in every form torch's ProcessGroup takes."""
+    f = lambda *v: torch.tensor(v, dtype=torch.float32)   # noqa: E731
+    R = dist.ReduceOp
+
+    def opts(kind, **kw):
+        o = getattr(dist, kind)()
+        for k, v in kw.items():
+            setattr(o, k, v)
+        return o
+    calls = {}
+
+    def add(name):
+        def put(fn):
+            calls[name] = fn
+            return fn
+        return put
+
+    @add("allreduce of two tensors (one result over ranks and tensors)")
+    def _(pg):
+        a, b = f(1, 2) + me, f(10, 20) * (me + 1)
+        pg.allreduce([a, b]).wait()
+        return [a, b]
+
+    @add("allreduce(tensor)")
+    def _(pg):
+        a = f(1, 2) + me
+        pg.allreduce(a).wait()
+        return [a]
+
+    @add("allreduce([tensor], MAX)")
+    def _(pg):
+        a = f(1, 2) + me
+        pg.allreduce([a], R.MAX).wait()
+        return [a]
+
+    @add("allreduce(tensor, op=MIN)")
+    def _(pg):
+        a = f(1, 2) + me
+        pg.allreduce(a, op=R.MIN).wait()
+        return [a]
+
+    @add("allreduce_coalesced([t, t]) reduces t once")
+    def _(pg):
+        t = f(1, 2) + me
+        pg.allreduce_coalesced([t, t]).wait()
+        return [t]
+
+    @add("allreduce_coalesced of two sizes")
+    def _(pg):
+        a, b = f(1, 2) + me, f(3, 4, 5) * me
+        pg.allreduce_coalesced([a, b]).wait()
+        return [a, b]
+
+    @add("broadcast(tensor, root=1)")
+    def _(pg):
+        x = f(me, me)
+        pg.broadcast(x, root=1).wait()
+        return [x]
+
+    @add("broadcast(tensor, 0)")
+    def _(pg):
+        x = f(me, me)
+        pg.broadcast(x, 0).wait()
+        return [x]
+
+    @add("broadcast of two tensors, rootTensor=1")
+    def _(pg):
+        a, b = f(me, 1), f(me, 2)
+        pg.broadcast([a, b], opts("BroadcastOptions", rootRank=1, rootTensor=1)).wait()
+        return [a, b]
+
+    @add("reduce(tensor, root=0)")
+    def _(pg):
+        x = f(me + 1)
+        pg.reduce(x, root=0).wait()
+        return [x] if me == 0 else []
+
+    @add("reduce(tensor, 1, MAX)")
+    def _(pg):
+        x = f(me + 1)
+        pg.reduce(x, 1, R.MAX).wait()
+        return [x] if me == 1 else []
+
+    @add("allgather(outputs, tensor)")
+    def _(pg):
+        out = [torch.zeros(2) for _ in range(n)]
+        pg.allgather(out, f(me, me)).wait()
+        return out
+
+    @add("allgather_coalesced: output_lists[rank][i]")
+    def _(pg):
+        outs = [[torch.zeros(1), torch.zeros(2)] for _ in range(n)]
+        pg.allgather_coalesced(outs, [f(me), f(10 + me, 20)]).wait()
+        return sum(outs, [])
+
+    @add("gather(outputs, tensor, 0)")
+    def _(pg):
+        out = [torch.zeros(1) for _ in range(n)] if me == 0 else []
+        pg.gather(out, f(me + 5), 0).wait()
+        return out
+
+    @add("scatter(output, inputs, 1)")
+    def _(pg):
+        out = torch.zeros(1)
+        pg.scatter(out, [f(7 + j) for j in range(n)] if me == 1 else [], 1).wait()
+        return [out]
+
+    @add("reduce_scatter(output, inputs)")
+    def _(pg):
+        out = torch.zeros(1)
+        pg.reduce_scatter(out, [f(me + j) for j in range(n)]).wait()
+        return [out]
+
+    @add("reduce_scatter(output, inputs, MAX)")
+    def _(pg):
+        out = torch.zeros(1)
+        pg.reduce_scatter(out, [f(me + j) for j in range(n)], R.MAX).wait()
+        return [out]
+
+    @add("_allgather_base")
+    def _(pg):
+        out = torch.zeros(n)
+        pg._allgather_base(out, f(me)).wait()
+        return [out]
+
+    @add("_reduce_scatter_base")
+    def _(pg):
+        out = torch.zeros(1)
+        pg._reduce_scatter_base(out, f(*[me + j for j in range(n)])).wait()
+        return [out]
+
+    @add("barrier(timeout)")
+    def _(pg):
+        pg.barrier(datetime.timedelta(seconds=30)).wait()
+        return []
+
+    @add("monitored_barrier")
+    def _(pg):
+        pg.monitored_barrier(datetime.timedelta(seconds=30))
+        return []
+
+    # refused, by both: the error (a RuntimeError) names the call; gloo's says "ProcessGroupGloo::<call>"
+    refusals = {
+        "allreduce of an empty list": lambda pg: pg.allreduce([]),
+        "allreduce of mixed dtypes": lambda pg: pg.allreduce([f(1, 2), torch.ones(2, dtype=torch.float64)]),
+        "allreduce of mixed sizes": lambda pg: pg.allreduce([f(1, 2), f(1, 2, 3)]),
+        "allreduce_coalesced of mixed dtypes": lambda pg: pg.allreduce_coalesced(
+            [f(1, 2), torch.ones(2, dtype=torch.float64)]),
+        "broadcast of an empty list": lambda pg: pg.broadcast([], opts("BroadcastOptions")),
+        "broadcast root -1": lambda pg: pg.broadcast([f(me)], opts("BroadcastOptions", rootRank=-1)),
+        "broadcast root n": lambda pg: pg.broadcast([f(me)], opts("BroadcastOptions", rootRank=n)),
+        "reduce of two tensors": lambda pg: pg.reduce([f(1), f(2)], opts("ReduceOptions")),
+        "reduce root -1": lambda pg: pg.reduce([f(me)], opts("ReduceOptions", rootRank=-1)),
+        "reduce root n": lambda pg: pg.reduce([f(me)], opts("ReduceOptions", rootRank=n)),
+        "gather root -1": lambda pg: pg.gather([], [f(me)], opts("GatherOptions", rootRank=-1)),
+        "gather root n": lambda pg: pg.gather([], [f(me)], opts("GatherOptions", rootRank=n)),
+        "scatter root -1": lambda pg: pg.scatter([f(me)], [], opts("ScatterOptions", rootRank=-1)),
+        "scatter root n": lambda pg: pg.scatter([f(me)], [], opts("ScatterOptions", rootRank=n)),
+        "send of two tensors": lambda pg: pg.send([f(1), f(2)], (me + 1) % n, 0),
+        "send of an empty list": lambda pg: pg.send([], (me + 1) % n, 0),
+    }
+    return calls, refusals
+
+
+def direct_calls_against_gloo(rank, world_size, init_method):
+    gloo = _init(rank, world_size, init_method)
+    shm = dist.group.WORLD
+    calls, refusals = _direct_calls(world_size, rank)
+    for name, call in calls.items():
+        _same(name, rank, call(shm), call(gloo))
+    refused = {}
+    for name, call in refusals.items():
+        for backend, pg in (("shm", shm), ("gloo", gloo)):
+            try:
+                call(pg)
+            except RuntimeError as e:        # gloo raises RuntimeError (NotImplementedError for [])
+                refused[(name, backend)] = str(e)
+            else:
+                raise AssertionError(f"rank {rank}: {name}: {backend} accepted it")
+        assert f"rank {rank}: ProcessGroup." in refused[(name, "shm")], refused[(name, "shm")]
+    # ranks out of the group go to no one (not the last rank, not an IndexError)
+    for bad in (-1, world_size):
+        with pytest.raises(RuntimeError, match=f"invalid destination rank: {bad}"):
+            shm.send([torch.ones(1)], bad, 0)
+    # torch code asks the group for its CPU backend (FSDP2 whether it allocates tensors)
+    cpu = shm._get_backend(torch.device("cpu"))
+    assert cpu.supports_tensor_alloc(torch.device("cpu")) is False
+    assert torch.device("cpu") in shm._device_types
+    with pytest.raises(RuntimeError, match="error_on_collective"):   # never a silent no-op
+        cpu.allreduce([torch.ones(1)]).wait()
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+    return sorted(refused)
+
+
+def test_process_group_methods_match_gloo(run_ranks):
+    """ProcessGroup methods called directly: every form torch's ProcessGroup
+    takes gives gloo's result; what gloo refuses, shm refuses too."""
+    for refused in run_ranks(direct_calls_against_gloo, 3, timeout=180):
+        assert len(refused) == 2 * 16
+
+
+def timeouts_read_like_torch(rank, world_size, init_method):
+    import re
+    gloo = _init(rank, world_size, init_method)
+    word = re.compile(" (Timed out|closed|timeout) ")    # what torch's tests match
+    sub = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    messages = []
+    if rank == 0:
+        with pytest.raises(RuntimeError) as e:
+            dist.barrier(group=sub)          # rank 1 never comes
+        messages.append(str(e.value))
+        work = dist.irecv(torch.zeros(1), src=1)
+        with pytest.raises(RuntimeError) as e:
+            work.wait(datetime.timedelta(seconds=0.2))
+        messages.append(str(e.value))
+    dist.barrier(group=gloo)
+    if rank == 1:
+        dist.send(torch.ones(1), dst=0)      # what rank 0's receive waited for
+    dist.barrier(group=gloo)
+    for m in messages:
+        assert word.search(m), f"rank {rank}: a timeout reads {m!r}"
+    dist.destroy_process_group()
+    return messages
+
+
+def test_timeouts_read_like_torch(run_ranks):
+    messages = run_ranks(timeouts_read_like_torch, 2, timeout=120)[0]
+    assert len(messages) == 2 and all("rank 0" in m for m in messages), messages
+
+
+def subgroups_in_the_world(rank, world_size, init_method):
+    import shmdist
+    from shmdist import group as groups
+    _init(rank, world_size, init_method)
+    before = shmdist.memory_usage()["collective_arenas"]
+    sub = dist.new_group([0, 1])
+    made = [g for g in groups.world().groups if g.ranks == (0, 1)]
+    if rank in (0, 1):
+        dist.all_reduce(torch.ones(1), group=sub)
+        grown = shmdist.memory_usage()["collective_arenas"] - before
+        assert len(made) == 1 and made[0].coll is not None and grown > 0, (
+            f"rank {rank}: the torch subgroup is not in the world ({made}, {grown} bytes)")
+    else:
+        assert not made, f"rank {rank}: a subgroup it is not a member of is in its world"
+    dist.barrier()
+    dist.destroy_process_group()              # World.close closes every group it lists
+    return rank not in (0, 1) or made[0].destroyed
+
+
+def test_torch_subgroups_are_groups_of_the_world(run_ranks):
+    """close and memory_usage see torch's subgroups, as they see shmdist.new_group's."""
+    assert run_ranks(subgroups_in_the_world, 3, timeout=120) == [True] * 3
 
 
 # ---------------------------------------------------------------- DDP, against gloo
