@@ -184,18 +184,19 @@ class Job:
                 self._log(f"got {name}; forwarded it to every rank")
                 self._stop(already_signalled=True)
                 return 128 + self.signalled
-            running = False
-            for rank, p in self.procs.items():
-                code = p.poll()
-                if code is None:
-                    running = True
-                elif code != 0:
-                    others = any(q.poll() is None for q in self.procs.values())
-                    stopped = "; stopped the other ranks" if others else ""
-                    self._log(f"rank {rank} (pid {p.pid}) {_describe(code)}{stopped}")
-                    self._stop(already_signalled=False)
-                    return _exit_code(code)
-            if not running:
+            codes = {rank: p.poll() for rank, p in self.procs.items()}
+            failed = [rank for rank, code in codes.items() if code not in (None, 0)]
+            if failed:
+                # Ranks that exit because a peer died follow it within a poll or two: name the
+                # one a signal ended first (the likely cause), else the lowest rank.
+                rank = min(failed, key=lambda r: (codes[r] >= 0, r))
+                p, code = self.procs[rank], codes[rank]
+                others = any(q.poll() is None for q in self.procs.values())
+                stopped = "; stopped the other ranks" if others else ""
+                self._log(f"rank {rank} (pid {p.pid}) {_describe(code)}{stopped}")
+                self._stop(already_signalled=False)
+                return _exit_code(code)
+            if all(code is not None for code in codes.values()):
                 return 0
             time.sleep(POLL_SECONDS)
 
