@@ -29,6 +29,7 @@ JOB_ENV = "SHMDIST_JOB_ID"       # set by shmdist-run; ranks of one job must agr
 
 _OP_SET, _OP_GET, _OP_ADD, _OP_HELLO, _OP_ARRIVE, _OP_OWN, _OP_BYE = range(1, 8)
 _OK, _TIMEOUT, _DENIED = range(3)
+REASK_GRACE = 1.0    # how long a closing store waits for ranks about to ask again (see reasking)
 _REQ = struct.Struct("<BIQd")   # op, key length, value length, timeout seconds
 _REP = struct.Struct("<BQ")      # status, value length
 GREETING = b"SHMDSTO1"           # the store's first bytes, then its nonce
@@ -112,7 +113,7 @@ class _BadRequest(Exception):
 
 class _Conn:
     """One client connection: what it sent and what it still has to be sent."""
-    __slots__ = ("sock", "inbuf", "out", "nonce", "authed", "member", "since", "events", "owner")
+    __slots__ = ("sock", "inbuf", "out", "nonce", "authed", "member", "since", "events", "owner", "reasks")
 
     def __init__(self, sock: socket.socket, nonce: bytes, now: float):
         self.sock, self.nonce, self.since = sock, nonce, now
@@ -122,6 +123,7 @@ class _Conn:
         self.member = False     # made a request after HELLO: a rank's connection
         self.events = selectors.EVENT_READ
         self.owner = None       # (key, label): appended to key if it closes without BYE
+        self.reasks = False     # its last wait ended in a timeout slice: it asks again at once
 
     def limit(self) -> int:
         """Bytes of one frame this connection may send now."""
@@ -189,6 +191,12 @@ class _StoreServer:
         for s in (self.sock, self.wake_r, self.wake_w):
             s.close()
         self.sel.close()
+
+    def reasking(self) -> bool:
+        """A rank whose wait just ended in a timeout slice (set-up waits in
+        slices of 0.25 s) is about to ask again, maybe for a barrier that has
+        completed since: the store must still be there to say so."""
+        return any(c.reasks for c in list(self.conns.values()))
 
     def members(self) -> int:
         """Connections that made a request (the ranks', normally)."""
@@ -357,6 +365,7 @@ class _StoreServer:
             self._hello(conn, value)
             return
         conn.member = True
+        conn.reasks = False
         if not math.isfinite(tmo) or tmo < 0:
             raise _BadRequest(f"timeout {tmo}")
         deadline = time.monotonic() + min(tmo, 1e7)
@@ -452,6 +461,7 @@ class _StoreServer:
         if late:
             self.waiters = [w for w in self.waiters if w.deadline > now]
             for w in late:
+                w.conn.reasks = True
                 self._reply(w.conn, _TIMEOUT)
         for c in [c for c in self.conns.values() if not c.member and c.since + HELLO_SECONDS <= now]:
             self._drop(c.sock)       # never authenticated, or never asked anything
@@ -663,8 +673,10 @@ class TCPStore:
         if self.store_id:
             _left_stores.add(self.store_id)
         if self.server is not None:
-            deadline = time.monotonic() + linger
-            while self.server.conns and time.monotonic() < deadline:
+            now = time.monotonic()
+            deadline, grace = now + linger, now + REASK_GRACE
+            while ((self.server.conns and time.monotonic() < deadline)
+                   or (self.server.reasking() and time.monotonic() < grace)):
                 time.sleep(0.01)
             self.server.close()
             self.server = None
