@@ -18,7 +18,7 @@ import numpy as np
 
 from shmdist import collectives, rendezvous
 from shmdist.engine import Engine, dtype_field
-from shmdist.errors import DistError, DistMismatchError, DistNotInitializedError
+from shmdist.errors import DistError, DistMismatchError, DistNotInitializedError, DistPeerError
 from shmdist.request import DistributedRequest
 from shmdist.shm import ShmHost
 from shmdist.tensors import as_buf, is_torch_tensor
@@ -237,6 +237,11 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         _setup(w)
     except BaseException as e:
         if w is not None:
+            if isinstance(e, DistPeerError):    # others that find this rank gone learn the real cause
+                try:
+                    w.store.set(f"failed/{rank}", str(e).encode()[:1000])
+                except Exception:   # noqa: BLE001 - the store may be gone too
+                    pass
             w.close(failed=True)
         if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
             raise DistError(f"rank {rank}: init_process_group: out of file descriptors ({e.strerror}); "

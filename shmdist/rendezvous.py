@@ -945,6 +945,14 @@ class WatchedStore:
         for r, pid in self.peers.items():
             if not pid_alive(pid):
                 from shmdist.errors import DistPeerError
+                try:        # it may have left over another rank's death, and said so
+                    cause = self.store.get(f"failed/{r}", 0.0).decode(errors="replace")
+                except DistError:
+                    cause = ""
+                if cause:
+                    raise DistPeerError(
+                        f"rank {self.rank}: {self.op}: rank {r} (pid {pid}) left the set-up after a failure "
+                        f"it saw ({cause}); this rank waited for '{key}'; restart the job") from None
                 raise DistPeerError(
                     f"rank {self.rank}: {self.op}: rank {r} (pid {pid}) died while the job was being "
                     f"set up (this rank waited for '{key}'); restart the job") from None
