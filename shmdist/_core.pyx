@@ -15,6 +15,23 @@ from shmdist._core cimport (sd_load64, sd_store64, sd_load32, sd_store32, sd_add
                             sd_fence, sd_relax, sd_futex_wait, sd_futex_wake, sd_yield, sd_cma_read,
                             sd_copy_nt, sd_reduce_half, sd_half_level, sd_half_set_limit)
 
+# The flight recorder's C writer (_trace.h; the rest is trace.py).
+cdef extern from "_trace.h":
+    uint64_t sd_tr_post(uint32_t op, uint32_t state, int64_t gid, int64_t peer, int64_t tag,
+                        uint64_t nbytes, uint64_t coll, const char *dtype16)
+    void sd_tr_set(uint64_t seq, uint32_t state)
+    void sd_tr_attach(uint8_t *base, uint64_t capacity)
+
+def trace_attach(size_t base, uint64_t capacity):
+    sd_tr_attach(<uint8_t *>base, capacity)
+
+def trace_post(uint32_t op, uint32_t state, int64_t gid, int64_t peer, int64_t tag, uint64_t nbytes,
+               uint64_t coll, bytes dtype16):
+    return sd_tr_post(op, state, gid, peer, tag, nbytes, coll, PyBytes_AS_STRING(dtype16))
+
+def trace_set(uint64_t seq, uint32_t state):
+    sd_tr_set(seq, state)
+
 # Layout of a per-process control block (CTL_BYTES each, in the job segment).
 cdef enum:
     _PID = 0          # uint32: pid of the owner
@@ -612,6 +629,7 @@ cdef class DistributedRequest:
     cdef public object tensors
     cdef public object _peers
     cdef public object _lane      # the Lane while this is its pending fast receive
+    cdef public uint64_t _tseq    # its flight-recorder entry (trace.py), 0 if none
 
     def __init__(self, engine, op, tensors=None):
         self._engine = engine
@@ -648,6 +666,8 @@ cdef class DistributedRequest:
             return
         self._error = error
         self._done = True
+        if self._tseq:
+            sd_tr_set(self._tseq, 3 if error is None else 4)   # trace: done / failed
         then, self._then = self._then, None
         if then is not None:
             then(self)
@@ -841,6 +861,7 @@ cdef class Lane:
         finally:
             PyBuffer_Release(&view)
         self.sends += 1
+        sd_tr_post(1, 3, 0, <int64_t>dst, t, <uint64_t>view.len, 0, PyBytes_AS_STRING(dtype16))  # trace: send, done
         req = DistributedRequest.__new__(DistributedRequest)
         req._engine = self.engine
         req.op = self.send_ops[dst]
@@ -898,10 +919,12 @@ cdef class Lane:
                     return None     # another record first: the general path (after the pending ones)
                 if got > 0:
                     self.recvs += 1
+                    sd_tr_post(2, 3, 0, isrc, t, nbytes, 0, PyBytes_AS_STRING(dtype16))  # trace: recv, done
                     req.source = src
                     req._done = True
                     return req
             self.recvs += 1
+            req._tseq = sd_tr_post(2, 1, 0, isrc, t, nbytes, 0, PyBytes_AS_STRING(dtype16))  # trace: recv, posted
             p = _Pend.__new__(_Pend)
             p.req, p.ring, p.arr, p.src, p.tag = req, ring, arr, isrc, t
             p.addr, p.nbytes, p.dtype16 = addr, nbytes, dtype16
@@ -1055,6 +1078,8 @@ cdef class Phaser:
     cdef bytes barrier_desc
     cdef dict kinds                      # numpy dtype -> (reduce_rows kind, its name) for all_reduce
     cdef uint64_t all_reduce_index
+    cdef public int64_t trace_gid        # the group id its calls are recorded under (-1: not recorded)
+    cdef public uint64_t tseq            # the flight-recorder entry of its last call
 
     def __cinit__(self, size_t flags, size_t stride, int n, int me, others, size_t bell,
                   Backoff backoff, lock, bytes barrier_desc, size_t bufs, size_t slot,
@@ -1071,6 +1096,7 @@ cdef class Phaser:
         self.kinds, self.all_reduce_index = dict(kinds), all_reduce_index
         self.kinds.setdefault(_F16, (KIND_FLOAT16, b"float16"))
         self.broken = None
+        self.trace_gid = -1
 
     @property
     def desc_at(self):
@@ -1089,6 +1115,10 @@ cdef class Phaser:
             at = 64 + 64 * (self.calls % 2)
             self.calls += 1
             memcpy(mine + at, desc, nd)
+            if self.trace_gid >= 0 and nd >= 64:   # trace: this call, from its descriptor ("<QQQqq16sQ")
+                self.tseq = sd_tr_post(16 + (<const uint64_t *>desc)[1], 1, self.trace_gid,
+                                       (<const int64_t *>desc)[4], (<const int64_t *>desc)[3],
+                                       (<const uint64_t *>desc)[2], self.calls, desc + 40)
         self.phase += 1
         target = self.phase
         sd_store64(<uint64_t *>mine, target)
@@ -1115,6 +1145,8 @@ cdef class Phaser:
             for i in range(1, n):
                 if memcmp(f + at, f + i * self.stride + at, nd):
                     return -1
+        if nd and self.trace_gid >= 0:
+            sd_tr_set(self.tseq, 3 if done else 2)     # trace: passed, or waiting for the others
         return done
 
     def enter(self, bytes desc=None):

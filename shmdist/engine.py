@@ -26,7 +26,7 @@ from collections import deque
 
 import numpy as np
 
-from shmdist import _core
+from shmdist import _core, trace
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
 from shmdist.tensors import MAX_DIMS, as_buf, describe
 
@@ -347,6 +347,7 @@ class Engine:
     def _wait_for(self, req, timeout: float | None) -> None:
         if req._lane is not None and self.lane.holds(req) and self.lane.wait_pending(req, self.backoff.spin):
             return
+        trace.waiting(req)   # trace: blocked from here on
         limit = self.timeout if timeout is None else float(timeout)
         start = time.monotonic()
         deadline = start + limit

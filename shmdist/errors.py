@@ -6,8 +6,16 @@ do about it.
 from __future__ import annotations
 
 
+_on_error = None   # set by trace.py (the flight recorder): called with every DistError made
+
+
 class DistError(RuntimeError):
     """Base class of every error shmdist raises on purpose."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        if _on_error is not None:
+            _on_error(self)
 
 
 class DistTimeoutError(DistError, TimeoutError):

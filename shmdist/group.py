@@ -17,6 +17,7 @@ import threading
 import numpy as np
 
 from shmdist import collectives, rendezvous
+from shmdist import trace   # the flight recorder: hook lines marked "trace:" below
 from shmdist.engine import Engine, dtype_field
 from shmdist.errors import DistError, DistMismatchError, DistNotInitializedError, DistPeerError
 from shmdist.request import DistributedRequest
@@ -111,6 +112,7 @@ class World:
         # Another thread may sleep inside a wait or a collective: its call fails, and the
         # memory is unmapped only once it is out (else it stays mapped until exit).
         why = "destroy_process_group was called"
+        trace.left(self)   # trace: the ring says the rank left
         quiet = [g.coll.retire(why, RETIRE_SECONDS) if g.coll is not None else True for g in self.groups]
         cause = self.engine.leave_cause() if self.engine is not None else ""
         if self.tcp is not None:
@@ -234,7 +236,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             store = owned
         watched = rendezvous.WatchedStore(rendezvous.PrefixStore("shmdist/", store), rank, seconds)
         w = World(rank, world_size, kind, seconds, watched, owned)
+        trace.start(rank, world_size)   # trace: the ring exists before peers look for it
         _setup(w)
+        trace.joined(w)                 # trace: map the peers' rings, record the default group
     except BaseException as e:
         if w is not None:
             if isinstance(e, DistPeerError):    # others that find this rank gone learn the real cause
@@ -410,6 +414,7 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
         g.destroyed = True
         raise
     w.groups.append(g)
+    trace.group_made(w, g)   # trace: record its collectives
     return g
 
 
@@ -515,6 +520,7 @@ def send(tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> D
     buf = as_buf(tensor, writable=False, who=f"rank {w.rank}: send")
     _learn(w, tensor, buf)
     req = DistributedRequest(w.engine, f"send to rank {dst}")
+    trace.p2p(req, True, g.gid, dst, _tag(w, tag, "send"), buf)   # trace
     w.engine.send(req, buf, dst, g.gid, _tag(w, tag, "send"))
     return req
 
@@ -539,6 +545,7 @@ def recv(tensor, src: int | None = None, group: ProcessGroup | None = None,
     _learn(w, tensor, buf)
     req = DistributedRequest(w.engine, f"recv from rank {src}" if src is not None else "recv from any rank",
                              [tensor])
+    trace.p2p(req, False, g.gid, src, _tag(w, tag, "recv"), buf)   # trace
     w.engine.recv(req, buf, src, g.gid, _tag(w, tag, "recv"), g.ranks)
     return req
 

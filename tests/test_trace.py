@@ -1,0 +1,148 @@
+"""The flight recorder (shmdist/trace.py): each classic hang built on purpose,
+with short timeouts, and the verdict it gets; shmdist-run's SIGUSR1 and
+--hang-after; the doctor on a live job; the JSON history; SHMDIST_TRACE=0."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import shmdist as dist
+from ranks import wait_until_gone
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _timeout_text(fn):
+    """Run ``fn``; return the message of the DistError it raises (else fail)."""
+    try:
+        fn()
+    except dist.DistError as e:
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError("expected a DistError")
+
+
+# ---------------------------------------------------------------- the classic hangs
+
+def _recv_nobody_sends(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=5)
+    buf = np.zeros(2, dtype=np.int64)
+    if rank == 0:
+        text = _timeout_text(lambda: dist.recv(buf, src=1, tag=3).wait(timeout=1.0))
+    else:
+        time.sleep(2.5)       # not inside any shmdist call: never sends
+        text = ""
+    dist.destroy_process_group()
+    return text
+
+
+def test_a_receive_nobody_sends_to(run_ranks):
+    text = run_ranks(_recv_nobody_sends, 2, timeout=60)[0]
+    assert "DistTimeoutError" in text
+    assert "rank 0: in recv from rank 1 (tag 3, 16 B int64), waiting for rank 1" in text
+    assert "rank 1: not inside any shmdist call" in text
+    assert ("a receive nobody sends to: rank 0 waits in recv from rank 1 (tag 3, 16 B int64), but rank 1 "
+            "has no send to rank 0 pending: rank 1 is not inside any shmdist call") in text
+
+
+def _tags_differ(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=5)
+    if rank == 0:
+        dist.send(np.ones(1, dtype=np.float32), dst=1, tag=0).wait()
+        time.sleep(2.5)
+        text = ""
+    else:
+        text = _timeout_text(lambda: dist.recv(np.zeros(1, dtype=np.float32), src=0, tag=9).wait(timeout=1.0))
+    dist.destroy_process_group()
+    return text
+
+
+def test_tags_that_differ(run_ranks):
+    text = run_ranks(_tags_differ, 2, timeout=60)[1]
+    assert "rank 1: in recv from rank 0 (tag 9, 4 B float32), waiting for rank 0" in text
+    assert ("tags differ: rank 1 waits in recv from rank 0 (tag 9, 4 B float32), but rank 0 sent send to "
+            "rank 1 (tag 0, 4 B float32); use the same tag and group on both sides") in text
+
+
+def _send_nobody_receives_idle(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=5)
+    if rank == 0:
+        text = _timeout_text(lambda: dist.send(np.ones(1 << 18, dtype=np.float32), dst=1).wait(timeout=1.0))
+    else:
+        time.sleep(2.5)
+        text = ""
+    dist.destroy_process_group()
+    return text
+
+
+def test_a_send_nobody_receives(run_ranks):
+    text = run_ranks(_send_nobody_receives_idle, 2, timeout=60, env={"SHMDIST_RING_BYTES": "65536"})[0]
+    assert ("a send nobody receives: rank 0 waits in send to rank 1 (tag 0, 1 MiB float32) (too big to "
+            "leave in the ring), but rank 1 does not receive it: rank 1 is not inside any shmdist call") in text
+
+
+def _never_called(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=1.5 if rank == 0 else 5)
+    x = np.arange(4, dtype=np.float32)
+    dist.all_reduce(x)                        # collective #1 of WORLD: everyone
+    text = ""
+    if rank != 2:
+        text = _timeout_text(lambda: dist.broadcast(x, src=0))    # #2: rank 2 skips it
+    else:
+        time.sleep(3)
+    dist.destroy_process_group()
+    return text
+
+
+def test_a_rank_that_never_called_it(run_ranks):
+    text = run_ranks(_never_called, 3, timeout=60, errors="return")[0]
+    assert "rank 0: in broadcast #2 of WORLD (root 0, 16 B float32), waiting for rank 2" in text
+    assert "rank 1: in broadcast #2 of WORLD (root 0, 16 B float32), waiting for rank 2" in text
+    assert "rank 2: not inside any shmdist call; last: all_reduce #1 of WORLD (SUM, 16 B float32), done" in text
+    assert ("a rank that never called it: ranks 0,1 wait in broadcast #2 of WORLD (root 0, 16 B float32), "
+            "but rank 2 is not inside any shmdist call") in text
+
+
+def _different_collective(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=1.5 if rank == 0 else 4)
+    sub = dist.new_group([1, 2])
+    x = np.ones(2, dtype=np.float64)
+    if rank == 1:      # rank 1 enters its subgroup's collective first: ranks 0 and 2 wait in WORLD's
+        text = _timeout_text(lambda: dist.all_reduce(x, group=sub))
+    else:
+        text = _timeout_text(lambda: dist.all_reduce(x))
+    return text
+
+
+def test_a_rank_in_a_different_collective(run_ranks):
+    text = run_ranks(_different_collective, 3, timeout=60, errors="return")[0]
+    assert "rank 0: in all_reduce #1 of WORLD (SUM, 16 B float64), waiting for rank 1" in text
+    assert "rank 1: in all_reduce #1 (group [1, 2], SUM, 16 B float64), waiting for rank 2" in text
+    assert ("a rank in a different collective: ranks 0,2 wait in all_reduce #1 of WORLD (SUM, 16 B float64), "
+            "but rank 1 is in all_reduce #1 (group [1, 2], SUM, 16 B float64)") in text
+
+
+def _gone(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=10)
+    x = np.ones(3, dtype=np.int32)
+    dist.all_reduce(x)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _timeout_text(lambda: dist.barrier())
+
+
+def test_a_rank_that_is_gone(run_ranks):
+    results = run_ranks(_gone, 3, timeout=60, errors="return")
+    text = results[0]
+    assert "DistPeerError" in text
+    assert "rank 2: gone (process" in text and "last: all_reduce #1 of WORLD (SUM, 12 B int32), done" in text
+    assert "a rank that is gone: rank 2 (process" in text
