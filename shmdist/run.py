@@ -16,6 +16,9 @@ SIGTERM sent to the launcher is forwarded to every rank the same way. There
 is no shared memory to sweep afterwards: segments have no name (memfd) and go
 with the ranks, however they end. A launcher that is itself killed takes
 its ranks with it (PR_SET_PDEATHSIG).
+It holds each rank's flight recorder open (see trace.py): SIGUSR1 prints
+where every rank is and why it waits, as does ``--hang-after S`` once no
+rank progressed for S seconds while one waits.
 The launcher exits 0 when every rank did, else with the failing rank's exit
 code (128 + the signal number for a signal).
 """
@@ -32,6 +35,7 @@ import sys
 import threading
 import time
 
+from shmdist import trace
 from shmdist.rendezvous import JOB_ENV
 
 GRACE_SECONDS = 5.0   # between SIGTERM (or a forwarded signal) and SIGKILL
@@ -54,6 +58,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="port of the rendezvous store (default: a free port, single-host jobs only)")
     p.add_argument("--tee", "--prefix-output", dest="prefix", action="store_true",
                    help='prefix every line the ranks print with "[rank N] "')
+    p.add_argument("--hang-after", dest="hang_after", type=float, default=None, metavar="S",
+                   help="print where each rank is (flight recorder) when no rank progressed for S "
+                        "seconds while one waits; SIGUSR1 prints it at any time")
     p.add_argument("-m", "--module", action="store_true",
                    help="run the target as a module (python -m), not as a script")
     p.add_argument("target", metavar="script.py | module", help="what each rank runs")
@@ -123,6 +130,8 @@ class Job:
         self.copiers: list[threading.Thread] = []
         self.out_lock = threading.Lock()
         self.signalled = 0
+        self.watch = trace.JobWatch(a.nnodes * a.nproc, a.hang_after)   # the ranks' flight recorders
+        self.report_asked = False
 
     def _env(self, local_rank: int) -> dict[str, str]:
         a = self.a
@@ -171,6 +180,19 @@ class Job:
         t.start()
         self.copiers.append(t)
 
+    def on_report(self, signum, frame) -> None:
+        self.report_asked = True
+
+    def _watch(self) -> None:
+        """Hold the ranks' flight recorders; print the table when asked or stalled."""
+        self.watch.hold(self.procs)
+        text = self.watch.stalled()
+        if self.report_asked:
+            self.report_asked = False
+            text = f"SIGUSR1:\n{self.watch.report()}"
+        if text:
+            self._log(text)
+
     def on_signal(self, signum, frame) -> None:
         self.signalled = signum
         for p in self.procs.values():
@@ -198,6 +220,7 @@ class Job:
                 return _exit_code(code)
             if all(code is not None for code in codes.values()):
                 return 0
+            self._watch()
             time.sleep(POLL_SECONDS)
 
     def _stop(self, already_signalled: bool) -> None:
@@ -229,6 +252,7 @@ class Job:
 def main(argv: list[str] | None = None) -> None:
     job = Job(_parse(argv))
     previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, job.on_report)
     try:
         job.start()
         code = job.wait()
@@ -237,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         for s, handler in previous.items():
             signal.signal(s, handler)
         job.finish()
+        job.watch.close()
     sys.exit(code)
 
 

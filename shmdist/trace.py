@@ -239,9 +239,10 @@ class Entry:
 class Ring:
     """A ring opened for reading (another process's, or this one's)."""
 
-    def __init__(self, mm, fd_path: str = ""):
+    def __init__(self, mm, fd_path: str = "", fd: int | None = None):
         self.mm = mm
         self.path = fd_path
+        self.fd = fd            # held open (shmdist-run): the ring outlives its rank
         (magic, version, entry, self.capacity, _, _, self.rank, self.world_size, self.pid, _, _,
          self.mono0, self.real0) = _HDR.unpack_from(mm, 0)
         if magic != MAGIC or version != VERSION or entry != ENTRY:
@@ -300,9 +301,10 @@ def own_ring() -> Ring | None:
     return Ring(_own.mm) if _own is not None else None
 
 
-def rings_of(pid: int) -> list[Ring]:
+def rings_of(pid: int, hold: bool = False) -> list[Ring]:
     """Every flight recorder process ``pid`` holds open (its own, and for
-    shmdist-run its ranks'), read-only. Only memfds of this user, mode 0600."""
+    shmdist-run its ranks'), read-only. Only memfds of this user, mode 0600.
+    ``hold``: keep a descriptor open, so others find the ring here too."""
     out = []
     base = f"/proc/{pid}/fd"
     try:
@@ -321,11 +323,12 @@ def rings_of(pid: int) -> list[Ring]:
             st = os.fstat(fd)
             if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o600 or st.st_size < HEAD:
                 continue
-            out.append(Ring(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), path))
+            out.append(Ring(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), path, fd if hold else None))
         except (OSError, ValueError):
             continue
         finally:
-            os.close(fd)
+            if not (hold and out and out[-1].fd == fd):
+                os.close(fd)
     return out
 
 
@@ -670,3 +673,64 @@ def on_error(e: BaseException) -> None:
 
 
 errors._on_error = on_error
+
+
+# ---------------------------------------------------------------- shmdist-run's watch
+
+class JobWatch:
+    """What shmdist-run does with its ranks' rings: hold them open (their
+    history outlives a killed rank), print the diagnosis on demand, and
+    notice when no rank progressed for ``hang_after`` seconds while some
+    rank waits."""
+
+    LOOK_EVERY = 0.2     # seconds between looks for a rank's ring not found yet
+
+    def __init__(self, world_size: int, hang_after: float | None):
+        self.world_size = world_size
+        self.hang_after = hang_after
+        self.rings: dict[int, Ring] = {}
+        self.looked: dict[int, float] = {}
+        self.changes = -1
+        self.changed_at = time.monotonic()
+        self.reported = False
+
+    def hold(self, procs: dict) -> None:
+        """Open the ring of every rank (global rank -> Popen) not held yet."""
+        now = time.monotonic()
+        for rank, p in procs.items():
+            if rank in self.rings or now - self.looked.get(rank, 0.0) < self.LOOK_EVERY:
+                continue
+            self.looked[rank] = now
+            mine = [r for r in rings_of(p.pid, hold=True)]
+            for ring in mine:
+                if ring.pid == p.pid and rank not in self.rings:
+                    self.rings[rank] = ring
+                elif ring.fd is not None:
+                    os.close(ring.fd)
+
+    def report(self) -> str:
+        return diagnose(dict(self.rings), self.world_size)
+
+    def stalled(self) -> str:
+        """The diagnosis once no rank progressed for hang_after seconds
+        while one waits; "" otherwise (and again only after progress)."""
+        if not self.hang_after or not self.rings:
+            return ""
+        now = time.monotonic()
+        changes = sum(r.changes for r in self.rings.values())
+        if changes != self.changes:
+            self.changes, self.changed_at, self.reported = changes, now, False
+            return ""
+        if self.reported or now - self.changed_at < self.hang_after:
+            return ""
+        waiting = any(e.open for r in self.rings.values() for e in r.entries()[-8:])
+        if not waiting:
+            return ""
+        self.reported = True
+        return f"no rank progressed for {now - self.changed_at:.0f} s:\n{self.report()}"
+
+    def close(self) -> None:
+        for ring in self.rings.values():
+            if ring.fd is not None:
+                os.close(ring.fd)
+                ring.fd = None

@@ -146,3 +146,119 @@ def test_a_rank_that_is_gone(run_ranks):
     assert "DistPeerError" in text
     assert "rank 2: gone (process" in text and "last: all_reduce #1 of WORLD (SUM, 12 B int32), done" in text
     assert "a rank that is gone: rank 2 (process" in text
+
+
+# ---------------------------------------------------------------- shmdist-run and the doctor
+
+HUNG_JOB = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    import shmdist as dist
+    dist.init_process_group()
+    rank = dist.get_rank()
+    x = np.ones(4, dtype=np.float32)
+    dist.all_reduce(x)
+    with open(os.path.join(sys.argv[1], f"ready{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == 0:
+        dist.broadcast(x, src=0)     # rank 1 never calls it
+    else:
+        time.sleep(120)
+""")
+
+
+class _Launch:
+    """shmdist-run over HUNG_JOB with 2 ranks; its stderr collected by a thread."""
+
+    def __init__(self, tmp_path, *extra):
+        import threading
+        script = tmp_path / "hung.py"
+        script.write_text(HUNG_JOB)
+        self.dir = tmp_path
+        env = dict(os.environ, SHMDIST_TIMEOUT="120", PYTHONPATH=ROOT)
+        self.p = subprocess.Popen([sys.executable, "-m", "shmdist.run", "-n", "2", *extra, str(script),
+                                   str(tmp_path)], stderr=subprocess.PIPE, env=env, cwd=ROOT)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.p.stderr:
+            self.lines.append(line.decode(errors="replace"))
+
+    def ready(self) -> list[int]:
+        deadline = time.monotonic() + 60
+        while not all((self.dir / f"ready{r}").exists() for r in range(2)):
+            assert self.p.poll() is None, "".join(self.lines)
+            assert time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        return [int((self.dir / f"ready{r}").read_text()) for r in range(2)]
+
+    def wait_for(self, text: str, within: float = 20) -> str:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            out = "".join(self.lines)
+            if text in out:
+                return out
+            time.sleep(0.05)
+        raise AssertionError(f"{text!r} not in the launcher's output:\n{''.join(self.lines)}")
+
+    def stop(self, pids=()):
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+        self.p.wait(30)
+        self.reader.join(5)
+        for pid in pids:
+            wait_until_gone(pid)
+
+
+VERDICT = ("a rank that never called it: rank 0 waits in broadcast #2 of WORLD (root 0, 16 B float32), "
+           "but rank 1 is not inside any shmdist call")
+
+
+def test_sigusr1_to_shmdist_run_prints_the_table_and_the_doctor_reads_a_live_job(tmp_path, no_leaks):
+    job = _Launch(tmp_path)
+    pids = []
+    try:
+        pids = job.ready()
+        job.p.send_signal(signal.SIGUSR1)
+        out = job.wait_for("verdict:")
+        out = job.wait_for(VERDICT)
+        assert "shmdist-run: SIGUSR1:" in out
+        assert "rank 0: in broadcast #2 of WORLD (root 0, 16 B float32), waiting for rank 1" in out
+        assert "rank 1: not inside any shmdist call; last: all_reduce #1 of WORLD (SUM, 16 B float32), done" in out
+        assert job.p.poll() is None, "SIGUSR1 must not stop the job"
+        for target in (str(pids[1]), str(job.p.pid), no_leaks):     # a rank, the launcher, the job id
+            doc = subprocess.run([sys.executable, "-m", "shmdist.doctor", target], capture_output=True,
+                                 text=True, timeout=60, cwd=ROOT)
+            assert doc.returncode == 0, doc.stderr
+            assert "rank 0: in broadcast #2 of WORLD (root 0, 16 B float32), waiting for rank 1" in doc.stdout
+            assert VERDICT in doc.stdout
+        doc = subprocess.run([sys.executable, "-m", "shmdist.doctor", "--json", str(pids[0])],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        hist = json.loads(doc.stdout)
+        assert hist["0"]["entries"][-1]["op"] == "broadcast" and hist["0"]["entries"][-1]["state"] == "waiting"
+        # read-only: the job goes on, still stuck where it was
+        assert job.p.poll() is None
+    finally:
+        job.stop(pids)
+
+
+def test_doctor_on_nothing_says_what_to_give(no_leaks):
+    doc = subprocess.run([sys.executable, "-m", "shmdist.doctor", "no-such-job-xyz"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert doc.returncode == 2
+    assert "no flight recorder found for 'no-such-job-xyz'" in doc.stderr
+
+
+def test_hang_after_prints_the_table_by_itself(tmp_path):
+    job = _Launch(tmp_path, "--hang-after", "1")
+    pids = []
+    try:
+        pids = job.ready()
+        out = job.wait_for(VERDICT)
+        assert "shmdist-run: no rank progressed for 1 s:" in out
+        assert out.count("verdict:") == 1, "printed once until something moves again"
+    finally:
+        job.stop(pids)
