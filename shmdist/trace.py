@@ -80,10 +80,9 @@ class _Own:
         try:
             os.fchmod(self.fd, 0o600)
             os.ftruncate(self.fd, self.size)
-            self.mm = mmap.mmap(self.fd, self.size)
-        except BaseException:
+            self.mm = mmap.mmap(self.fd, self.size)   # holds a descriptor of its own: /proc/<pid>/fd shows it
+        finally:
             os.close(self.fd)
-            raise
         self.pid = os.getpid()
         self.addr = _core.buffer_address(self.mm, True)[0]
         _HDR.pack_into(self.mm, 0, MAGIC, VERSION, ENTRY, capacity, 0, 0, -1, 0, self.pid, LIVE, 0,
@@ -200,11 +199,6 @@ def waiting(req) -> None:
 def _after_fork() -> None:
     global _own
     _core.trace_attach(0, 0)      # the parent's ring is not this process's to write
-    if _own is not None:
-        try:
-            os.close(_own.fd)
-        except OSError:
-            pass
     _own = None
     _peers.clear()
 
@@ -239,10 +233,9 @@ class Entry:
 class Ring:
     """A ring opened for reading (another process's, or this one's)."""
 
-    def __init__(self, mm, fd_path: str = "", fd: int | None = None):
+    def __init__(self, mm, fd_path: str = ""):
         self.mm = mm
         self.path = fd_path
-        self.fd = fd            # held open (shmdist-run): the ring outlives its rank
         (magic, version, entry, self.capacity, _, _, self.rank, self.world_size, self.pid, _, _,
          self.mono0, self.real0) = _HDR.unpack_from(mm, 0)
         if magic != MAGIC or version != VERSION or entry != ENTRY:
@@ -301,10 +294,11 @@ def own_ring() -> Ring | None:
     return Ring(_own.mm) if _own is not None else None
 
 
-def rings_of(pid: int, hold: bool = False) -> list[Ring]:
-    """Every flight recorder process ``pid`` holds open (its own, and for
-    shmdist-run its ranks'), read-only. Only memfds of this user, mode 0600.
-    ``hold``: keep a descriptor open, so others find the ring here too."""
+def rings_of(pid: int) -> list[Ring]:
+    """Every flight recorder process ``pid`` holds open (its own, its local
+    peers', and for shmdist-run its ranks'), read-only. Only memfds of this
+    user, mode 0600. Each mapping holds a descriptor (Python's mmap keeps
+    one), so the ring stays findable through this process too."""
     out = []
     base = f"/proc/{pid}/fd"
     try:
@@ -323,12 +317,11 @@ def rings_of(pid: int, hold: bool = False) -> list[Ring]:
             st = os.fstat(fd)
             if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o600 or st.st_size < HEAD:
                 continue
-            out.append(Ring(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), path, fd if hold else None))
+            out.append(Ring(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), path))
         except (OSError, ValueError):
             continue
         finally:
-            if not (hold and out and out[-1].fd == fd):
-                os.close(fd)
+            os.close(fd)
     return out
 
 
@@ -662,7 +655,7 @@ def on_error(e: BaseException) -> None:
                 e.args = (f"{e.args[0]}\n{table}",) + tuple(e.args[1:])
         me = threading.get_ident()
         for x in own_ring().entries():
-            if x.is_coll and x.open and x.thread == me:
+            if x.thread == me and (x.state == WAITING or (x.is_coll and x.open)):   # what it waited in
                 _core.trace_set(x.seq, FAILED)
         if os.environ.get(DIR_ENV):
             write_history(str(e.args[0]) if e.args else type(e).__name__, table or local_report())
@@ -701,12 +694,11 @@ class JobWatch:
             if rank in self.rings or now - self.looked.get(rank, 0.0) < self.LOOK_EVERY:
                 continue
             self.looked[rank] = now
-            mine = [r for r in rings_of(p.pid, hold=True)]
-            for ring in mine:
+            for ring in rings_of(p.pid):
                 if ring.pid == p.pid and rank not in self.rings:
-                    self.rings[rank] = ring
-                elif ring.fd is not None:
-                    os.close(ring.fd)
+                    self.rings[rank] = ring      # its mapping holds the memory (and a descriptor)
+                else:
+                    ring.mm.close()
 
     def report(self) -> str:
         return diagnose(dict(self.rings), self.world_size)
@@ -731,6 +723,4 @@ class JobWatch:
 
     def close(self) -> None:
         for ring in self.rings.values():
-            if ring.fd is not None:
-                os.close(ring.fd)
-                ring.fd = None
+            ring.mm.close()

@@ -262,3 +262,94 @@ def test_hang_after_prints_the_table_by_itself(tmp_path):
         assert out.count("verdict:") == 1, "printed once until something moves again"
     finally:
         job.stop(pids)
+
+
+# ---------------------------------------------------------------- history on failure, switching it off
+
+def _history(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=5)
+    x = np.arange(6, dtype=np.float64)
+    dist.all_reduce(x)
+    if rank == 0:
+        dist.send(np.ones(2, dtype=np.int32), dst=1, tag=4).wait()
+        _timeout_text(lambda: dist.recv(np.zeros(1, dtype=np.int64), src=1, tag=7).wait(timeout=0.5))
+    else:
+        dist.recv(np.zeros(2, dtype=np.int32), src=0, tag=4).wait()
+        time.sleep(1.5)
+    dist.destroy_process_group()
+
+
+def test_history_json_on_a_dist_error(run_ranks, tmp_path):
+    run_ranks(_history, 2, timeout=60, env={"SHMDIST_TRACE_DIR": str(tmp_path)})
+    assert not (tmp_path / "shmdist-trace-rank1.json").exists(), "only a rank that met a DistError writes"
+    hist = json.loads((tmp_path / "shmdist-trace-rank0.json").read_text())
+    assert hist["format"] == "shmdist-trace" and hist["version"] == 1
+    assert hist["rank"] == 0 and hist["world_size"] == 2 and hist["groups"] == {"0": [0, 1]}
+    assert "Timed out" in hist["errors"][0] and "a receive nobody sends to" in hist["diagnosis"]
+    ar, send, recv = hist["entries"][-3:]
+    assert {k: ar[k] for k in ("op", "state", "group", "group_ranks", "collective", "root", "reduce_op",
+                              "bytes", "dtype")} == {
+        "op": "all_reduce", "state": "done", "group": 0, "group_ranks": [0, 1], "collective": 1,
+        "root": None, "reduce_op": "SUM", "bytes": 48, "dtype": "float64"}
+    assert {k: send[k] for k in ("op", "state", "peer", "tag", "bytes", "dtype")} == {
+        "op": "send", "state": "done", "peer": 1, "tag": 4, "bytes": 8, "dtype": "int32"}
+    assert {k: recv[k] for k in ("op", "state", "peer", "tag", "bytes", "dtype")} == {
+        "op": "recv", "state": "failed", "peer": 1, "tag": 7, "bytes": 8, "dtype": "int64"}
+    assert recv["posted"] <= recv["wait_began"] <= recv["ended"] and abs(recv["ended"] - time.time()) < 60
+    assert [e["seq"] for e in hist["entries"]] == sorted(e["seq"] for e in hist["entries"])
+    fr = pickle.loads((tmp_path / "shmdist_fr_trace_rank_0").read_bytes())
+    assert fr["pg_config"]["0"]["ranks"] == "[0, 1]"
+    assert [(e["profiling_name"], e["state"]) for e in fr["entries"][-3:]] == [
+        ("shm:all_reduce", "completed"), ("shm:send", "completed"), ("shm:recv", "completed")]
+
+
+def _trace_fds() -> list[str]:
+    """What this process's descriptors to flight recorders point at."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue      # listdir's own descriptor, closed by now
+        if target.startswith("/memfd:shmdist-trace"):
+            out.append(target)
+    return out
+
+
+def _ring_size(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=5)
+    x = np.ones(1, dtype=np.int64)
+    for _ in range(50):
+        dist.all_reduce(x)
+    from shmdist import trace
+    ring = trace.own_ring()
+    found = _trace_fds()
+    dist.destroy_process_group()
+    return ring.capacity, [e.coll for e in ring.entries()], found
+
+
+def test_the_ring_keeps_the_last_n_operations(run_ranks):
+    before = set(os.listdir("/dev/shm"))
+    cap, colls, found = run_ranks(_ring_size, 2, timeout=60, env={"SHMDIST_TRACE_SIZE": "16"})[0]
+    assert cap == 16 and colls == list(range(35, 51))
+    assert len(found) == 2 and all(f.endswith("(deleted)") for f in found)   # its own and its peer's; nameless
+    new = set(os.listdir("/dev/shm")) - before      # other users of the host may add theirs meanwhile
+    assert not [n for n in new if "shmdist" in n or "trace" in n]
+
+
+def _trace_off(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=5)
+    text = ""
+    if rank == 0:
+        text = _timeout_text(lambda: dist.recv(np.zeros(1), src=1).wait(timeout=0.3))
+    dist.barrier()
+    found = _trace_fds()
+    dist.destroy_process_group()
+    return text, found
+
+
+def test_shmdist_trace_0_turns_it_off(run_ranks, tmp_path):
+    (text, found), _ = run_ranks(_trace_off, 2, timeout=60, env={"SHMDIST_TRACE": "0",
+                                                                 "SHMDIST_TRACE_DIR": str(tmp_path)})
+    assert "Timed out" in text and "flight recorder" not in text
+    assert found == [] and os.listdir(tmp_path) == []
