@@ -599,13 +599,19 @@ def torch_fr(hist: dict) -> dict:
         count = e["bytes"] // isz
         is_p2p = e["op"] in ("send", "recv")
         p2p += is_p2p
+        name = e.get("refused") or e["op"]
+        if is_p2p and e["peer"] is not None:
+            ranks = e["group_ranks"] or []
+            local = lambda r: ranks.index(r) if r in ranks else r   # noqa: E731 - its names use group ranks
+            me, peer = local(hist["rank"]), local(e["peer"])
+            name = f"send {me}->{peer}" if e["op"] == "send" else f"recv {me}<-{peer}"
         state = {"done": "completed", "failed": "completed", "waiting": "started"}.get(e["state"], "scheduled")
         ns = lambda t: int(t * 1e9) if t else None   # noqa: E731
         entries.append({
             "record_id": i, "pg_id": e["group"], "process_group": (str(e["group"]), pg_config.get(
                 str(e["group"]), {"desc": f"shmdist_group_{e['group']}"})["desc"]),
             "collective_seq_id": 0 if is_p2p else e["collective"], "p2p_seq_id": p2p if is_p2p else 0,
-            "op_id": i, "profiling_name": f"shm:{e['op']}",
+            "op_id": i, "profiling_name": f"gloo:{name}",   # its analyzer knows backends by name
             "time_created_ns": ns(e["posted"]), "time_discovered_started_ns": ns(e["wait_began"] or e["posted"]),
             "time_discovered_completed_ns": ns(e["ended"]) if state == "completed" else None,
             "duration_ms": None, "input_sizes": [[count]], "output_sizes": [[count]],

@@ -300,7 +300,7 @@ def test_history_json_on_a_dist_error(run_ranks, tmp_path):
     fr = pickle.loads((tmp_path / "shmdist_fr_trace_rank_0").read_bytes())
     assert fr["pg_config"]["0"]["ranks"] == "[0, 1]"
     assert [(e["profiling_name"], e["state"]) for e in fr["entries"][-3:]] == [
-        ("shm:all_reduce", "completed"), ("shm:send", "completed"), ("shm:recv", "completed")]
+        ("gloo:all_reduce", "completed"), ("gloo:send 0->1", "completed"), ("gloo:recv 0<-1", "completed")]
 
 
 def _trace_fds() -> list[str]:
@@ -353,3 +353,29 @@ def test_shmdist_trace_0_turns_it_off(run_ranks, tmp_path):
                                                                  "SHMDIST_TRACE_DIR": str(tmp_path)})
     assert "Timed out" in text and "flight recorder" not in text
     assert found == [] and os.listdir(tmp_path) == []
+
+
+def _both_fail(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=1.0)
+    x = np.ones(4, dtype=np.float32)
+    dist.all_reduce(x)
+    try:
+        if rank == 0:
+            dist.barrier()               # collective #2: rank 1 calls all_reduce instead, too late
+        else:
+            time.sleep(1.5)
+            dist.all_reduce(x)
+    except dist.DistError:
+        pass
+
+
+def test_torch_flight_recorder_analyzer_reads_the_dumps(run_ranks, tmp_path):
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    run_ranks(_both_fail, 2, timeout=60, env={"SHMDIST_TRACE_DIR": str(tmp_path)})
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path),
+                          "-p", "shmdist_fr_trace_rank_"], capture_output=True, text=True, timeout=120)
+    assert "Collective sequence number: 2 has errors" in out.stdout + out.stderr, out.stdout + out.stderr
+    assert "Expected collective type: 'barrier' does not match found collective type: 'all_reduce'" in \
+        out.stdout + out.stderr or \
+        "Expected collective type: 'all_reduce' does not match found collective type: 'barrier'" in \
+        out.stdout + out.stderr
