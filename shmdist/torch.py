@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 import shmdist
 from shmdist import collective_api as api
-from shmdist import group as groups, rendezvous
+from shmdist import group as groups, rendezvous, trace
 from shmdist.errors import DistError, DistPeerError, DistTimeoutError
 from shmdist.reduce_ops import ReduceOp
 
@@ -617,6 +617,7 @@ def _subgroup(opts) -> ShmProcessGroup:
     g.coll = groups._open_collectives(w, g)
     with w.lock:
         w.groups.append(g)
+    trace.group_made(w, g)   # the flight recorder records its collectives (trace.py)
     return ShmProcessGroup(g, is_default=False)
 
 

@@ -54,7 +54,8 @@ REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG")
 LIVE, LEFT = 1, 2                   # header state
 ANY = -2                            # peer of a receive from any rank
 TRACE_ENV, SIZE_ENV, DIR_ENV = "SHMDIST_TRACE", "SHMDIST_TRACE_SIZE", "SHMDIST_TRACE_DIR"
-FR_PREFIX = "shmdist_fr_trace_rank_"   # torchfrtrace --prefix
+FR_PREFIX = "shmdist_fr_trace_rank_"
+TABLE_TITLE = "where each rank is (flight recorder):"   # torchfrtrace --prefix
 
 
 _COARSE = getattr(time, "CLOCK_MONOTONIC_COARSE", 6)   # Linux's number; the C writer's clock
@@ -411,7 +412,7 @@ def diagnose(rings: dict, world_size: int, groups: dict | None = None, now: int 
         s = st[r]
         lines.append(f"rank {r}: {_where(s, st, groups, now)}")
     verdicts = _verdicts(st, groups, now)
-    out = ["where each rank is (flight recorder):"] + ["  " + x for x in lines]
+    out = [TABLE_TITLE] + ["  " + x for x in lines]
     if verdicts:
         out += ["verdict:"] + ["  " + v for v in verdicts]
     return "\n".join(out)
@@ -657,7 +658,7 @@ def on_error(e: BaseException) -> None:
         table = ""
         if isinstance(e, (errors.DistTimeoutError, errors.DistPeerError)) and e.args:
             table = local_report()
-            if table:
+            if table and TABLE_TITLE not in str(e.args[0]):    # not again when an error is re-worded
                 e.args = (f"{e.args[0]}\n{table}",) + tuple(e.args[1:])
         me = threading.get_ident()
         for x in own_ring().entries():

@@ -379,3 +379,37 @@ def test_torch_flight_recorder_analyzer_reads_the_dumps(run_ranks, tmp_path):
         out.stdout + out.stderr or \
         "Expected collective type: 'all_reduce' does not match found collective type: 'barrier'" in \
         out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------- through torch's backend "shm"
+
+def _torch_hang(rank, world_size, init_method):
+    import datetime
+    import torch
+    import torch.distributed as tdist
+    import shmdist.torch  # noqa: F401  (registers the backend)
+    tdist.init_process_group("shm", init_method=init_method, rank=rank, world_size=world_size,
+                             timeout=datetime.timedelta(seconds=1.5 if rank == 0 else 5))
+    sub = tdist.new_group([0, 1])
+    t = torch.ones(3)
+    tdist.all_reduce(t, group=sub)
+    text = ""
+    if rank == 0:
+        try:
+            tdist.recv(torch.zeros(2, dtype=torch.int64), src=1)
+        except Exception as e:       # noqa: BLE001 - the test reads its text
+            text = f"{type(e).__name__}: {e}"
+    else:
+        time.sleep(2.5)
+    tdist.destroy_process_group()
+    return text
+
+
+def test_through_torch_backend_shm(run_ranks):
+    pytest.importorskip("torch")
+    text = run_ranks(_torch_hang, 2, timeout=90)[0]
+    assert "Timed out" in text
+    assert text.count("where each rank is (flight recorder):") == 1
+    assert "rank 0: in recv from rank 1 (tag 0, 16 B int64), waiting for rank 1" in text
+    assert "rank 1: not inside any shmdist call; last: all_reduce #1 (group [0, 1], SUM, 12 B float32), done" in text
+    assert "a receive nobody sends to: rank 0 waits in recv from rank 1" in text
