@@ -104,6 +104,7 @@ class _Own:
 _own: _Own | None = None
 _peers: dict = {}           # global rank -> Ring of a local peer, mapped at join
 _world_size = 0
+_joined = False             # between the end of init_process_group and destroy: tables make sense
 _local = threading.local()
 
 
@@ -146,6 +147,7 @@ def joined(w) -> None:
     """After init_process_group set up: record the local ranks' pids, map
     their rings (they made them before the set-up ended), record the
     default group's collectives."""
+    global _joined
     _peers.clear()
     if _own is None or not enabled():
         return
@@ -158,6 +160,7 @@ def joined(w) -> None:
             if ring is not None:
                 _peers[r] = ring
     group_made(w, w.default)
+    _joined = True
 
 
 def group_made(w, g) -> None:
@@ -176,6 +179,8 @@ def group_made(w, g) -> None:
 
 def left(w) -> None:
     """destroy_process_group: the ring says the rank left (it stays readable)."""
+    global _joined
+    _joined = False
     if _own is not None and _own.pid == os.getpid():
         _own.set_state(LEFT)
 
@@ -198,9 +203,9 @@ def waiting(req) -> None:
 
 
 def _after_fork() -> None:
-    global _own
+    global _own, _joined
     _core.trace_attach(0, 0)      # the parent's ring is not this process's to write
-    _own = None
+    _own, _joined = None, False
     _peers.clear()
 
 
@@ -656,7 +661,7 @@ def on_error(e: BaseException) -> None:
     _local.busy = True
     try:
         table = ""
-        if isinstance(e, (errors.DistTimeoutError, errors.DistPeerError)) and e.args:
+        if _joined and isinstance(e, (errors.DistTimeoutError, errors.DistPeerError)) and e.args:
             table = local_report()
             if table and TABLE_TITLE not in str(e.args[0]):    # not again when an error is re-worded
                 e.args = (f"{e.args[0]}\n{table}",) + tuple(e.args[1:])
@@ -722,7 +727,8 @@ class JobWatch:
             return ""
         if self.reported or now - self.changed_at < self.hang_after:
             return ""
-        waiting = any(e.open for r in self.rings.values() for e in r.entries()[-8:])
+        waiting = any(e.state == WAITING or (e.is_coll and e.open)
+                      for r in self.rings.values() for e in r.entries()[-8:])
         if not waiting:
             return ""
         self.reported = True

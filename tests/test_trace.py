@@ -312,7 +312,7 @@ def _trace_fds() -> list[str]:
         except OSError:
             continue      # listdir's own descriptor, closed by now
         if target.startswith("/memfd:shmdist-trace"):
-            out.append(target)
+            out.append((target, oct(os.stat(f"/proc/self/fd/{fd}").st_mode & 0o777)))
     return out
 
 
@@ -332,7 +332,8 @@ def test_the_ring_keeps_the_last_n_operations(run_ranks):
     before = set(os.listdir("/dev/shm"))
     cap, colls, found = run_ranks(_ring_size, 2, timeout=60, env={"SHMDIST_TRACE_SIZE": "16"})[0]
     assert cap == 16 and colls == list(range(35, 51))
-    assert len(found) == 2 and all(f.endswith("(deleted)") for f in found)   # its own and its peer's; nameless
+    assert len(found) == 2       # its own and its peer's
+    assert all(f.endswith("(deleted)") and mode == "0o600" for f, mode in found)   # nameless, this user's only
     new = set(os.listdir("/dev/shm")) - before      # other users of the host may add theirs meanwhile
     assert not [n for n in new if "shmdist" in n or "trace" in n]
 
