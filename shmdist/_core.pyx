@@ -20,6 +20,7 @@ cdef extern from "_trace.h":
     uint64_t sd_tr_post(uint32_t op, uint32_t state, int64_t gid, int64_t peer, int64_t tag,
                         uint64_t nbytes, uint64_t coll, const char *dtype16)
     void sd_tr_set(uint64_t seq, uint32_t state)
+    void sd_tr_done_at_once(uint64_t seq)
     void sd_tr_attach(uint8_t *base, uint64_t capacity)
 
 def trace_attach(size_t base, uint64_t capacity):
@@ -728,6 +729,7 @@ cdef class Lane:
     cdef list pend               # the pending fast receives (_Pend), in posting order
     cdef public unsigned long long sends, recvs   # operations the lane took whole
     cdef int64_t a_tag
+    cdef int64_t a_peer            # the peer _args parsed (for the flight recorder)
     cdef bytes a_dtype16
     cdef Backoff backoff
 
@@ -813,6 +815,7 @@ cdef class Lane:
         if d is None:
             return None
         self.a_tag = t
+        self.a_peer = p
         self.a_dtype16 = <bytes>d
         return <Ring>r
 
@@ -861,7 +864,7 @@ cdef class Lane:
         finally:
             PyBuffer_Release(&view)
         self.sends += 1
-        sd_tr_post(1, 3, 0, <int64_t>dst, t, <uint64_t>view.len, 0, PyBytes_AS_STRING(dtype16))  # trace: send, done
+        sd_tr_post(1, 3, 0, self.a_peer, t, <uint64_t>view.len, 0, PyBytes_AS_STRING(dtype16))  # trace: send, done
         req = DistributedRequest.__new__(DistributedRequest)
         req._engine = self.engine
         req.op = self.send_ops[dst]
@@ -1145,8 +1148,11 @@ cdef class Phaser:
             for i in range(1, n):
                 if memcmp(f + at, f + i * self.stride + at, nd):
                     return -1
-        if nd and self.trace_gid >= 0:
-            sd_tr_set(self.tseq, 3 if done else 2)     # trace: passed, or waiting for the others
+        if nd and self.trace_gid >= 0:     # trace: passed, or waiting for the others
+            if done == 2:
+                sd_tr_done_at_once(self.tseq)
+            else:
+                sd_tr_set(self.tseq, 3 if done else 2)
         return done
 
     def enter(self, bytes desc=None):

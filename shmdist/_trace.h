@@ -96,4 +96,18 @@ static inline void sd_tr_set(uint64_t seq, uint32_t state) {
     __atomic_store_n((uint32_t *)(e + 8), state, __ATOMIC_RELEASE);
     __atomic_store_n((uint64_t *)(b + 32), *(uint64_t *)(b + 32) + 1, __ATOMIC_RELEASE);
 }
+
+/* Operation ``seq``, just posted, is done at once (caught while spinning,
+ * well under the coarse clock's millisecond step): no second clock read. */
+static inline void sd_tr_done_at_once(uint64_t seq) {
+    uint8_t *b = sd_tr_base, *e;
+    if (b == NULL || seq == 0)
+        return;
+    e = sd_tr_slot(seq);
+    if (*(uint64_t *)e != seq)
+        return;
+    *(uint64_t *)(e + 64) = *(uint64_t *)(e + 56);
+    __atomic_store_n((uint32_t *)(e + 8), (uint32_t)SD_TR_DONE, __ATOMIC_RELEASE);
+    __atomic_store_n((uint64_t *)(b + 32), *(uint64_t *)(b + 32) + 1, __ATOMIC_RELEASE);
+}
 #endif

@@ -185,8 +185,14 @@ def left(w) -> None:
         _own.set_state(LEFT)
 
 
+_dtype16s: dict = {}
+
+
 def _dtype16(name: str) -> bytes:
-    return name.encode()[:16].ljust(16, b"\0")
+    field = _dtype16s.get(name)
+    if field is None:
+        field = _dtype16s[name] = name.encode()[:16].ljust(16, b"\0")
+    return field
 
 
 def p2p(req, send: bool, gid: int, peer, tag: int, buf) -> None:

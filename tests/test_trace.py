@@ -22,6 +22,26 @@ from ranks import wait_until_gone
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _short_timeout(seconds):
+    """Give the collectives of this rank's groups a short timeout now that
+    the (slower, on a loaded host) set-up is done."""
+    w = dist.group.world()
+    w.timeout = seconds
+    for g in w.groups:
+        g.timeout = seconds
+
+
+def _idle_until(flag):
+    """Stay out of every shmdist call until another rank raised ``flag``."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _raise(flag):
+    open(flag, "w").close()
+
+
 def _timeout_text(fn):
     """Run ``fn``; return the message of the DistError it raises (else fail)."""
     try:
@@ -33,20 +53,21 @@ def _timeout_text(fn):
 
 # ---------------------------------------------------------------- the classic hangs
 
-def _recv_nobody_sends(rank, world_size, init_method):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=5)
+def _recv_nobody_sends(rank, world_size, init_method, flag):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     buf = np.zeros(2, dtype=np.int64)
     if rank == 0:
         text = _timeout_text(lambda: dist.recv(buf, src=1, tag=3).wait(timeout=1.0))
+        _raise(flag)
     else:
-        time.sleep(2.5)       # not inside any shmdist call: never sends
+        _idle_until(flag)       # not inside any shmdist call: never sends
         text = ""
     dist.destroy_process_group()
     return text
 
 
-def test_a_receive_nobody_sends_to(run_ranks):
-    text = run_ranks(_recv_nobody_sends, 2, timeout=60)[0]
+def test_a_receive_nobody_sends_to(run_ranks, tmp_path):
+    text = run_ranks(_recv_nobody_sends, 2, str(tmp_path / "flag"), timeout=60)[0]
     assert "DistTimeoutError" in text
     assert "rank 0: in recv from rank 1 (tag 3, 16 B int64), waiting for rank 1" in text
     assert "rank 1: not inside any shmdist call" in text
@@ -54,57 +75,62 @@ def test_a_receive_nobody_sends_to(run_ranks):
             "has no send to rank 0 pending: rank 1 is not inside any shmdist call") in text
 
 
-def _tags_differ(rank, world_size, init_method):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=5)
+def _tags_differ(rank, world_size, init_method, flag):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     if rank == 0:
         dist.send(np.ones(1, dtype=np.float32), dst=1, tag=0).wait()
-        time.sleep(2.5)
+        _idle_until(flag)
         text = ""
     else:
         text = _timeout_text(lambda: dist.recv(np.zeros(1, dtype=np.float32), src=0, tag=9).wait(timeout=1.0))
+        _raise(flag)
     dist.destroy_process_group()
     return text
 
 
-def test_tags_that_differ(run_ranks):
-    text = run_ranks(_tags_differ, 2, timeout=60)[1]
+def test_tags_that_differ(run_ranks, tmp_path):
+    text = run_ranks(_tags_differ, 2, str(tmp_path / "flag"), timeout=60)[1]
     assert "rank 1: in recv from rank 0 (tag 9, 4 B float32), waiting for rank 0" in text
     assert ("tags differ: rank 1 waits in recv from rank 0 (tag 9, 4 B float32), but rank 0 sent send to "
             "rank 1 (tag 0, 4 B float32); use the same tag and group on both sides") in text
 
 
-def _send_nobody_receives_idle(rank, world_size, init_method):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=5)
+def _send_nobody_receives_idle(rank, world_size, init_method, flag):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     if rank == 0:
         text = _timeout_text(lambda: dist.send(np.ones(1 << 18, dtype=np.float32), dst=1).wait(timeout=1.0))
+        _raise(flag)
     else:
-        time.sleep(2.5)
+        _idle_until(flag)
         text = ""
     dist.destroy_process_group()
     return text
 
 
-def test_a_send_nobody_receives(run_ranks):
-    text = run_ranks(_send_nobody_receives_idle, 2, timeout=60, env={"SHMDIST_RING_BYTES": "65536"})[0]
+def test_a_send_nobody_receives(run_ranks, tmp_path):
+    text = run_ranks(_send_nobody_receives_idle, 2, str(tmp_path / "flag"), timeout=60,
+                     env={"SHMDIST_RING_BYTES": "65536"})[0]
     assert ("a send nobody receives: rank 0 waits in send to rank 1 (tag 0, 1 MiB float32) (too big to "
             "leave in the ring), but rank 1 does not receive it: rank 1 is not inside any shmdist call") in text
 
 
-def _never_called(rank, world_size, init_method):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=1.5 if rank == 0 else 5)
+def _never_called(rank, world_size, init_method, flag):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     x = np.arange(4, dtype=np.float32)
     dist.all_reduce(x)                        # collective #1 of WORLD: everyone
+    _short_timeout(1.5 if rank == 0 else 30)    # rank 0 times out first, then leaves
     text = ""
     if rank != 2:
         text = _timeout_text(lambda: dist.broadcast(x, src=0))    # #2: rank 2 skips it
+        _raise(flag)
     else:
-        time.sleep(3)
+        _idle_until(flag)
     dist.destroy_process_group()
     return text
 
 
-def test_a_rank_that_never_called_it(run_ranks):
-    text = run_ranks(_never_called, 3, timeout=60, errors="return")[0]
+def test_a_rank_that_never_called_it(run_ranks, tmp_path):
+    text = run_ranks(_never_called, 3, str(tmp_path / "flag"), timeout=60, errors="return")[0]
     assert "rank 0: in broadcast #2 of WORLD (root 0, 16 B float32), waiting for rank 2" in text
     assert "rank 1: in broadcast #2 of WORLD (root 0, 16 B float32), waiting for rank 2" in text
     assert "rank 2: not inside any shmdist call; last: all_reduce #1 of WORLD (SUM, 16 B float32), done" in text
@@ -113,8 +139,10 @@ def test_a_rank_that_never_called_it(run_ranks):
 
 
 def _different_collective(rank, world_size, init_method):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=1.5 if rank == 0 else 4)
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     sub = dist.new_group([1, 2])
+    dist.barrier()
+    _short_timeout(1.5 if rank == 0 else 30)    # rank 0 times out first; its leaving ends the others' waits
     x = np.ones(2, dtype=np.float64)
     if rank == 1:      # rank 1 enters its subgroup's collective first: ranks 0 and 2 wait in WORLD's
         text = _timeout_text(lambda: dist.all_reduce(x, group=sub))
@@ -125,14 +153,14 @@ def _different_collective(rank, world_size, init_method):
 
 def test_a_rank_in_a_different_collective(run_ranks):
     text = run_ranks(_different_collective, 3, timeout=60, errors="return")[0]
-    assert "rank 0: in all_reduce #1 of WORLD (SUM, 16 B float64), waiting for rank 1" in text
+    assert "rank 0: in all_reduce #2 of WORLD (SUM, 16 B float64), waiting for rank 1" in text
     assert "rank 1: in all_reduce #1 (group [1, 2], SUM, 16 B float64), waiting for rank 2" in text
-    assert ("a rank in a different collective: ranks 0,2 wait in all_reduce #1 of WORLD (SUM, 16 B float64), "
+    assert ("a rank in a different collective: ranks 0,2 wait in all_reduce #2 of WORLD (SUM, 16 B float64), "
             "but rank 1 is in all_reduce #1 (group [1, 2], SUM, 16 B float64)") in text
 
 
 def _gone(rank, world_size, init_method):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=10)
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     x = np.ones(3, dtype=np.int32)
     dist.all_reduce(x)
     if rank == 2:
@@ -266,21 +294,23 @@ def test_hang_after_prints_the_table_by_itself(tmp_path):
 
 # ---------------------------------------------------------------- history on failure, switching it off
 
-def _history(rank, world_size, init_method):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=5)
+def _history(rank, world_size, init_method, flag):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     x = np.arange(6, dtype=np.float64)
     dist.all_reduce(x)
     if rank == 0:
         dist.send(np.ones(2, dtype=np.int32), dst=1, tag=4).wait()
         _timeout_text(lambda: dist.recv(np.zeros(1, dtype=np.int64), src=1, tag=7).wait(timeout=0.5))
+        _raise(flag)
     else:
         dist.recv(np.zeros(2, dtype=np.int32), src=0, tag=4).wait()
-        time.sleep(1.5)
+        _idle_until(flag)
     dist.destroy_process_group()
 
 
 def test_history_json_on_a_dist_error(run_ranks, tmp_path):
-    run_ranks(_history, 2, timeout=60, env={"SHMDIST_TRACE_DIR": str(tmp_path)})
+    run_ranks(_history, 2, str(tmp_path / "flag"), timeout=60, env={"SHMDIST_TRACE_DIR": str(tmp_path / "h")})
+    tmp_path = tmp_path / "h"
     assert not (tmp_path / "shmdist-trace-rank1.json").exists(), "only a rank that met a DistError writes"
     hist = json.loads((tmp_path / "shmdist-trace-rank0.json").read_text())
     assert hist["format"] == "shmdist-trace" and hist["version"] == 1
@@ -317,7 +347,7 @@ def _trace_fds() -> list[str]:
 
 
 def _ring_size(rank, world_size, init_method):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=5)
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     x = np.ones(1, dtype=np.int64)
     for _ in range(50):
         dist.all_reduce(x)
@@ -339,7 +369,7 @@ def test_the_ring_keeps_the_last_n_operations(run_ranks):
 
 
 def _trace_off(rank, world_size, init_method):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=5)
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     text = ""
     if rank == 0:
         text = _timeout_text(lambda: dist.recv(np.zeros(1), src=1).wait(timeout=0.3))
@@ -357,9 +387,10 @@ def test_shmdist_trace_0_turns_it_off(run_ranks, tmp_path):
 
 
 def _both_fail(rank, world_size, init_method):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=1.0)
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     x = np.ones(4, dtype=np.float32)
     dist.all_reduce(x)
+    _short_timeout(1.0)
     try:
         if rank == 0:
             dist.barrier()               # collective #2: rank 1 calls all_reduce instead, too late
@@ -384,31 +415,32 @@ def test_torch_flight_recorder_analyzer_reads_the_dumps(run_ranks, tmp_path):
 
 # ---------------------------------------------------------------- through torch's backend "shm"
 
-def _torch_hang(rank, world_size, init_method):
+def _torch_hang(rank, world_size, init_method, flag):
     import datetime
     import torch
     import torch.distributed as tdist
     import shmdist.torch  # noqa: F401  (registers the backend)
     tdist.init_process_group("shm", init_method=init_method, rank=rank, world_size=world_size,
-                             timeout=datetime.timedelta(seconds=1.5 if rank == 0 else 5))
+                             timeout=datetime.timedelta(seconds=60))
     sub = tdist.new_group([0, 1])
     t = torch.ones(3)
     tdist.all_reduce(t, group=sub)
     text = ""
     if rank == 0:
         try:
-            tdist.recv(torch.zeros(2, dtype=torch.int64), src=1)
+            tdist.irecv(torch.zeros(2, dtype=torch.int64), src=1).wait(datetime.timedelta(seconds=1.5))
         except Exception as e:       # noqa: BLE001 - the test reads its text
             text = f"{type(e).__name__}: {e}"
+        _raise(flag)
     else:
-        time.sleep(2.5)
+        _idle_until(flag)
     tdist.destroy_process_group()
     return text
 
 
-def test_through_torch_backend_shm(run_ranks):
+def test_through_torch_backend_shm(run_ranks, tmp_path):
     pytest.importorskip("torch")
-    text = run_ranks(_torch_hang, 2, timeout=90)[0]
+    text = run_ranks(_torch_hang, 2, str(tmp_path / "flag"), timeout=90)[0]
     assert "Timed out" in text
     assert text.count("where each rank is (flight recorder):") == 1
     assert "rank 0: in recv from rank 1 (tag 0, 16 B int64), waiting for rank 1" in text
