@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--before", required=True, help="a built tree without the recorder")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=5000, help="operations per batch")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"of {','.join(KINDS)}")
     ap.add_argument("--inproc", action="store_true", help="only the in-process on/off comparison "
                     "(ring attached and detached in one process, alternating: robust on a loaded host)")
     a = ap.parse_args()
@@ -189,14 +190,16 @@ def main() -> None:
                   f"all_reduce 8 B 1 rank {a_on:.4f} vs {a_off:.4f} us ({a_on / a_off - 1:+.1%})", flush=True)
         return
     variants = {"before": (a.before, "1"), "recorder on": (HERE, "1"), "SHMDIST_TRACE=0": (HERE, "0")}
-    res = {(k, v): [] for k in KINDS for v in variants}
+    kinds = [k for k in a.kinds.split(",") if k in KINDS]
+    res = {(k, v): [] for k in kinds for v in variants}
     for r in range(a.rounds):
-        for kind in KINDS:
+        for kind in kinds:
             for name, (tree, trace) in variants.items():
                 res[(kind, name)].append(_point(tree, kind, a.iters, trace))
         print(f"round {r + 1}: " + ", ".join(f"{k[0]}/{k[1]} {v[-1]:.3f}" for k, v in res.items()), flush=True)
     print(f"\n{'pattern':<28}{'variant':<18}{'us/op':>12}{'vs before':>11}   per round (fastest batch)")
-    for kind, (label, _) in KINDS.items():
+    for kind in kinds:
+        label = KINDS[kind][0]
         base = statistics.median(res[(kind, "before")])
         for name in variants:
             vals = res[(kind, name)]

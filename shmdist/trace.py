@@ -507,8 +507,9 @@ def _verdicts(st: dict, groups: dict, now: int) -> list[str]:
                 if theirs or sent:
                     x = (theirs or sent)[-1]
                     if x.tag != e.tag or x.gid != e.gid:
-                        out.append(f"tags differ: rank {r} waits in {describe(e, groups)}, but rank {p} "
-                                   f"sent {describe(x, groups)}; use the same tag and group on both sides")
+                        out.append(f"tags differ: rank {r} waits in {describe(e, groups)}, but rank {p}'s "
+                                   f"{describe(x, groups)} does not match it; use the same tag and group on "
+                                   "both sides")
                         continue
                 if e.peer == ANY:
                     continue

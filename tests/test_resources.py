@@ -380,7 +380,8 @@ def inspects_its_segments(rank, world_size, init_method):
         mode = stat.S_IMODE(os.stat(f"/proc/self/map_files/{span}").st_mode)
         found.append((line.split(None, 5)[-1], oct(mode)))
     held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
-            if os.path.exists(f"/proc/self/fd/{fd}") and "memfd:" in os.readlink(f"/proc/self/fd/{fd}")]
+            if os.path.exists(f"/proc/self/fd/{fd}") and "memfd:shmdist " in os.readlink(f"/proc/self/fd/{fd}")]
+    # (segments only: the flight recorders, /memfd:shmdist-trace, are tests/test_trace.py's)
     dist.barrier()
     dist.destroy_process_group()
     return touched, found, held

@@ -91,8 +91,8 @@ def _tags_differ(rank, world_size, init_method, flag):
 def test_tags_that_differ(run_ranks, tmp_path):
     text = run_ranks(_tags_differ, 2, str(tmp_path / "flag"), timeout=60)[1]
     assert "rank 1: in recv from rank 0 (tag 9, 4 B float32), waiting for rank 0" in text
-    assert ("tags differ: rank 1 waits in recv from rank 0 (tag 9, 4 B float32), but rank 0 sent send to "
-            "rank 1 (tag 0, 4 B float32); use the same tag and group on both sides") in text
+    assert ("tags differ: rank 1 waits in recv from rank 0 (tag 9, 4 B float32), but rank 0's send to "
+            "rank 1 (tag 0, 4 B float32) does not match it; use the same tag and group on both sides") in text
 
 
 def _send_nobody_receives_idle(rank, world_size, init_method, flag):
