@@ -446,3 +446,22 @@ def test_through_torch_backend_shm(run_ranks, tmp_path):
     assert "rank 0: in recv from rank 1 (tag 0, 16 B int64), waiting for rank 1" in text
     assert "rank 1: not inside any shmdist call; last: all_reduce #1 (group [0, 1], SUM, 12 B float32), done" in text
     assert "a receive nobody sends to: rank 0 waits in recv from rank 1" in text
+
+
+def test_hang_after_stays_quiet_while_ranks_compute(tmp_path):
+    script = tmp_path / "compute.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        import numpy as np
+        import shmdist as dist
+        dist.init_process_group()
+        dist.all_reduce(np.ones(2))
+        time.sleep(3)            # computing: no rank inside a shmdist call
+        dist.all_reduce(np.ones(2))
+        dist.destroy_process_group()
+    """))
+    out = subprocess.run([sys.executable, "-m", "shmdist.run", "-n", "2", "--hang-after", "1", str(script)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr
+    assert "no rank progressed" not in out.stderr
