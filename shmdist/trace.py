@@ -172,9 +172,31 @@ def group_made(w, g) -> None:
     if len(groups) > 64:          # the metadata page is small: keep the newest groups
         groups = dict(list(groups.items())[-64:])
     _own.set_meta(groups=groups)
-    ph = getattr(getattr(g, "coll", None), "ph", None)
+    coll = getattr(g, "coll", None)
+    ph = getattr(coll, "ph", None)
     if ph is not None:
-        ph.trace_gid = g.gid
+        ph.trace_gid = g.gid          # a shared arena: its Phaser records in C
+    elif coll is not None and hasattr(coll, "_check"):
+        _record_checks(coll, g)       # a group across hosts (hier.py): its call check is the first phase
+
+
+def _record_checks(comm, g) -> None:
+    """Record each collective of a hier.HierComm at its call check (which
+    every member passes first, as a shared arena's first phase): waiting
+    until every member arrived, done once they have."""
+    check = comm._check
+    calls = [0]
+
+    def recorded(what, desc, timeout):
+        kind, nbytes, op, root, dtype, _ = desc
+        calls[0] += 1
+        seq = 0
+        if _own is not None and kind in KINDS:
+            seq = _core.trace_post(COLL + KINDS.index(kind), WAITING, g.gid, g.ranks[root] if root >= 0 else -1,
+                                   int(op), nbytes, calls[0], _dtype16(dtype))
+        check(what, desc, timeout)
+        _core.trace_set(seq, DONE)
+    comm._check = recorded
 
 
 def left(w) -> None:

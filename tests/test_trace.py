@@ -129,8 +129,10 @@ def _never_called(rank, world_size, init_method, flag):
     return text
 
 
-def test_a_rank_that_never_called_it(run_ranks, tmp_path):
-    text = run_ranks(_never_called, 3, str(tmp_path / "flag"), timeout=60, errors="return")[0]
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_rank_that_never_called_it(run_ranks, tmp_path, transport):
+    text = run_ranks(_never_called, 3, str(tmp_path / "flag"), timeout=60, errors="return",
+                     env={"SHMDIST_TRANSPORT": transport})[0]
     assert "rank 0: in broadcast #2 of WORLD (root 0, 16 B float32), waiting for rank 2" in text
     assert "rank 1: in broadcast #2 of WORLD (root 0, 16 B float32), waiting for rank 2" in text
     assert "rank 2: not inside any shmdist call; last: all_reduce #1 of WORLD (SUM, 16 B float32), done" in text
@@ -151,8 +153,10 @@ def _different_collective(rank, world_size, init_method):
     return text
 
 
-def test_a_rank_in_a_different_collective(run_ranks):
-    text = run_ranks(_different_collective, 3, timeout=60, errors="return")[0]
+@pytest.mark.parametrize("transport", ["shm", "tcp"])     # tcp: the collectives of groups across hosts
+def test_a_rank_in_a_different_collective(run_ranks, transport):
+    text = run_ranks(_different_collective, 3, timeout=60, errors="return",
+                     env={"SHMDIST_TRANSPORT": transport})[0]
     assert "rank 0: in all_reduce #2 of WORLD (SUM, 16 B float64), waiting for rank 1" in text
     assert "rank 1: in all_reduce #1 (group [1, 2], SUM, 16 B float64), waiting for rank 2" in text
     assert ("a rank in a different collective: ranks 0,2 wait in all_reduce #2 of WORLD (SUM, 16 B float64), "
