@@ -1051,23 +1051,9 @@ def parse_init_method(init_method: str | None, rank: int, world_size: int):
 
 
 def host_identity() -> str:
-    """Ranks with the same identity can map each other's shared memory.
+    """Ranks with the same identity can map each other's shared memory (see hosts.py).
 
     SHMDIST_HOST_ID overrides it (containers; tests that pretend to be
     several hosts)."""
-    forced = os.environ.get("SHMDIST_HOST_ID")
-    if forced:
-        return forced
-    parts = [socket.gethostname()]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
-    except OSError:
-        pass
-    for path in ("/dev/shm", "/proc/self/ns/pid", "/proc/self/ns/ipc"):
-        try:
-            st = os.stat(path)
-            parts.append(f"{st.st_dev}:{st.st_ino}")
-        except OSError:
-            pass
-    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+    from shmdist.hosts import host_identity
+    return host_identity()
