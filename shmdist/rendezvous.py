@@ -1013,7 +1013,8 @@ def parse_init_method(init_method: str | None, rank: int, world_size: int):
     url = urlparse(init_method)
     scheme = url.scheme
     if scheme == "env":
-        env = os.environ
+        from shmdist import launchers   # torchrun, mpirun/mpiexec, srun: see launchers.py
+        launch, env = launchers.resolve(rank, world_size)
         try:
             if rank < 0:
                 rank = int(env["RANK"])
@@ -1023,8 +1024,7 @@ def parse_init_method(init_method: str | None, rank: int, world_size: int):
             port = int(env["MASTER_PORT"])
         except KeyError as e:
             raise DistError(f"Error initializing shmdist using env:// rendezvous: environment variable "
-                            f"{e.args[0]} expected, but not set; run under shmdist-run or torchrun, or "
-                            "pass init_method='tcp://HOST:PORT' with rank and world_size") from None
+                            f"{e.args[0]} expected, but not set; {launchers.missing_hint(launch)}") from None
         except ValueError as e:
             raise DistError(f"Error initializing shmdist using env:// rendezvous: {e}") from None
         return "tcp", (host, port), rank, world_size

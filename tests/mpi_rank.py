@@ -1,0 +1,28 @@
+"""One rank under a real MPI launcher (tests/test_hosts_launchers.py):
+init_process_group() with no arguments, an all_reduce and a ring of sends;
+prints one JSON line."""
+import json
+import sys
+
+import numpy as np
+
+import shmdist as dist
+from shmdist import launchers
+
+launch = launchers.detect()
+if "--mpi4py-master" in sys.argv:        # the path for ranks on several hosts, forced
+    launch.master_addr, launch.master_port = "", -1
+    ok = launchers.master_by_mpi(launch)
+    print(json.dumps({"rank": launch.rank, "master": [launch.master_addr, launch.master_port], "ok": ok}))
+    sys.exit(0)
+dist.init_process_group()
+rank, size = dist.get_rank(), dist.get_world_size()
+t = np.full(8, rank + 1, dtype=np.int64)
+dist.all_reduce(t)
+out = np.empty(1, dtype=np.int64)
+reqs = [dist.isend(np.array([rank], dtype=np.int64), (rank + 1) % size), dist.irecv(out, (rank - 1) % size)]
+for r in reqs:
+    r.wait()
+dist.destroy_process_group()
+print(json.dumps({"rank": rank, "size": size, "source": launch.source, "local_rank": launch.local_rank,
+                  "sum": int(t[0]), "left": int(out[0])}))
