@@ -47,6 +47,7 @@ CHOICES = ("auto", "gloo", "mpi", "tcp")
 TAG_SPAN = 1 << 24
 log = logging.getLogger("shmdist")
 _chosen: str = ""
+_mpi_unusable = ""     # why auto must not pick MPI after all (an mpi4py of another MPI than the launcher's)
 carried = {"messages": 0, "bytes": 0}   # what this process's inter-host engines moved (for tests, bench)
 
 
@@ -73,13 +74,60 @@ def choose() -> str:
     if want not in CHOICES:
         raise DistError(f"{ENV}={want!r}: expected one of {', '.join(CHOICES)}")
     if want == "auto":
-        if _under_mpi() and _importable("mpi4py"):
+        if _under_mpi() and _importable("mpi4py") and not _mpi_unusable:
             want = "mpi"
         elif _importable("torch"):
             want = "gloo"
         else:
             want = "tcp"
     return want
+
+
+def load_mpi():
+    """mpi4py's MPI, initialized, if it was built for the MPI that launched
+    this job; else None and why. Its library is asked first, before MPI_Init:
+    an MPICH mpi4py under Open MPI's mpiexec (or the reverse) aborts the
+    process in MPI_Init."""
+    import sys
+    from shmdist import launchers
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = True
+    from mpi4py import MPI
+    if MPI.Is_initialized():
+        return MPI, ""
+    source = launchers.detect().source
+    library = MPI.Get_library_version()
+    is_open_mpi = "Open MPI" in library
+    if source in ("openmpi", "mpich") and is_open_mpi != (source == "openmpi"):
+        return None, (f"mpi4py is built for {'Open MPI' if is_open_mpi else 'an MPICH-family MPI'} but the job "
+                      f"was started by {source}'s launcher")
+    MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    return MPI, ""
+
+
+def prepare() -> None:
+    """Called by init_process_group before any store exists: with the MPI
+    engine, initialize MPI now. MPI_Init is collective under Hydra and holds
+    the GIL while it waits, so rank 0 must not enter it later, when its
+    store's server thread must keep answering the ranks still on their way."""
+    global _mpi_unusable
+    if choose() != "mpi":
+        return
+    MPI, why = load_mpi()
+    if MPI is not None:
+        from shmdist import launchers
+        launch = launchers.detect()
+        size = MPI.COMM_WORLD.Get_size()
+        if launch.world_size > 0 and size != launch.world_size:
+            why = (f"mpi4py's MPI_COMM_WORLD has {size} rank(s) but the launcher ({launch.source}) started "
+                   f"{launch.world_size}")
+    if why:
+        _mpi_unusable = why
+        if os.environ.get(ENV, "auto").strip().lower() == "mpi":
+            raise DistError(f"{ENV}=mpi: {why}; install mpi4py built against this MPI, or set {ENV}=gloo or tcp")
+        log.info("inter-host engine: not MPI: %s", why)
 
 
 def host_names(comm) -> dict:
@@ -275,6 +323,12 @@ class GlooInter(_Inter):
 
 class MpiInter(_Inter):
     kind = "mpi"
+
+    def __init__(self, comm):
+        super().__init__(comm)
+        MPI, why = load_mpi()   # initialized by prepare() already, normally
+        if MPI is None:
+            raise DistError(f"rank {self.rank}: {ENV}=mpi: {why}")
 
     def _setup(self, what: str, timeout: float) -> None:
         from mpi4py import MPI

@@ -142,9 +142,12 @@ def _master(launch: Launch, env) -> None:
 
 def master_by_mpi(launch: Launch) -> bool:
     """With mpi4py: rank 0 sends its address and a free port to every rank."""
+    from shmdist.inter import load_mpi
     try:
-        from mpi4py import MPI
+        MPI, _ = load_mpi()      # None when mpi4py was built for another MPI than the launcher's
     except ImportError:
+        return False
+    if MPI is None:
         return False
     comm = MPI.COMM_WORLD
     if comm.Get_size() != launch.world_size:

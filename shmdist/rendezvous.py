@@ -1010,6 +1010,8 @@ def parse_init_method(init_method: str | None, rank: int, world_size: int):
     """
     if init_method is None:
         init_method = "env://"
+    from shmdist import inter
+    inter.prepare()   # MPI_Init, when the inter-host leg runs on MPI, before any store (see inter.py)
     url = urlparse(init_method)
     scheme = url.scheme
     if scheme == "env":

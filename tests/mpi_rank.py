@@ -10,6 +10,18 @@ import shmdist as dist
 from shmdist import launchers
 
 launch = launchers.detect()
+if "--collectives" in sys.argv:          # pretend hosts of 2 ranks each; the inter-host leg on SHMDIST_INTER
+    import os
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_collectives import MOVEMENTS, REDUCTIONS, make_cases, run_cases
+    from shmdist import inter
+    os.environ["SHMDIST_HOST_ID"] = f"mpi-pretend-host-{launch.rank // 2}"
+    cases = make_cases(REDUCTIONS, [1, 1023]) + make_cases(MOVEMENTS, [1, 1023], first_seed=1000)
+    result = run_cases(launch.rank, launch.world_size, None, cases)
+    with open(os.path.join(sys.argv[sys.argv.index("--collectives") + 1], f"{launch.rank}.json"), "w") as f:
+        json.dump({"rank": launch.rank, "chosen": inter.chosen(), "carried": inter.carried,
+                   "problems": result["problems"], "digests": result["digests"]}, f)
+    sys.exit(0)
 if "--mpi4py-master" in sys.argv:        # the path for ranks on several hosts, forced
     launch.master_addr, launch.master_port = "", -1
     ok = launchers.master_by_mpi(launch)

@@ -124,3 +124,24 @@ def test_a_host_whose_link_goes_down_is_named_by_every_rank(run_ranks, pretend_h
         print(f"rank {rank} after {g['after']:.1f} s: {g['error']}")
         other = h.hostnames[1 - BLOCKS[rank]]
         assert f"host {other} (ranks {[r for r in range(4) if BLOCKS[r] != BLOCKS[rank]]})" in g["error"], g["error"]
+
+
+@pytest.mark.parametrize("which", ["mpich", "openmpi"])
+def test_collectives_with_the_mpi_engine_under_mpiexec(which, tmp_path):
+    """SHMDIST_INTER=mpi under a real mpiexec: 2 pretend hosts (SHMDIST_HOST_ID) x 2 ranks."""
+    from test_hosts_launchers import _mpiexec, _run_mpi
+    launcher = _mpiexec(which)
+    if not launcher or importlib.util.find_spec("mpi4py") is None:
+        pytest.skip(f"needs {which}'s mpiexec and mpi4py")
+    if which == "openmpi":
+        pytest.skip("this venv's mpi4py is built for MPICH; Open MPI runs the launcher test only")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env_flag = ["-genv", "SHMDIST_INTER", "mpi"]
+    _run_mpi([*launcher, *env_flag, "-n", "4", sys.executable, os.path.join(here, "mpi_rank.py"),
+              "--collectives", str(tmp_path)], timeout=300)
+    import json
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    assert [g["rank"] for g in got] == [0, 1, 2, 3]
+    assert {g["chosen"] for g in got} == {"mpi"}
+    assert [g["carried"]["bytes"] > 0 for g in got] == [True, False, True, False]
+    assert_all_good(got)
