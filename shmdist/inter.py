@@ -20,8 +20,11 @@ Choosing (``SHMDIST_INTER``):
   host reaches the rendezvous master (so host names need not resolve);
 - ``tcp``  the point-to-point engine (our TCP transport), needs nothing.
 
-Unset, or ``auto``: ``mpi`` under an MPI launcher with mpi4py installed,
-else ``gloo`` with torch installed, else ``tcp``. The choice is logged
+Unset, or ``auto``: ``mpi`` under an MPI launcher with an mpi4py built for
+that MPI, else ``tcp``. Not ``gloo`` by default: as built here (gloo's
+send/recv for each exchange of the leaders) it measured slower than our
+TCP leg (bench/hosts_bench.py; gloo's unbound send/recv pays ~4 ms per
+exchange when the two leaders do not arrive together), so it is opt-in. The choice is logged
 (logger "shmdist", INFO) and ``chosen()`` returns it. All leaders must
 choose alike; they compare their choices through the store when the
 engine is made and raise DistMismatchError naming the ranks that differ.
@@ -74,12 +77,9 @@ def choose() -> str:
     if want not in CHOICES:
         raise DistError(f"{ENV}={want!r}: expected one of {', '.join(CHOICES)}")
     if want == "auto":
-        if _under_mpi() and _importable("mpi4py") and not _mpi_unusable:
-            want = "mpi"
-        elif _importable("torch"):
-            want = "gloo"
-        else:
-            want = "tcp"
+        # Not gloo, even with torch: its leg as built here (send/recv per exchange) measured slower
+        # than ours on pretend hosts (bench/hosts_bench.py: ~4 ms more per exchange).
+        want = "mpi" if _under_mpi() and _importable("mpi4py") and not _mpi_unusable else "tcp"
     return want
 
 

@@ -21,7 +21,6 @@ from test_collectives import MOVEMENTS, REDUCTIONS, assert_all_good, make_cases,
 from test_tcp import expected_p2p, p2p_cases
 
 WHY = hosts.unavailable()
-pytestmark = pytest.mark.skipif(bool(WHY), reason=WHY or "")
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 ENGINES = ["tcp", pytest.param("gloo", marks=pytest.mark.skipif(not HAVE_TORCH, reason="gloo needs torch"))]
 BLOCKS, INTERLEAVED = (0, 0, 1, 1), (0, 1, 0, 1)
@@ -30,6 +29,8 @@ CASES = make_cases(REDUCTIONS, [1, 1023]) + make_cases(MOVEMENTS, [1, 1023], fir
 
 @pytest.fixture
 def pretend_hosts(monkeypatch):
+    if WHY:
+        pytest.skip(WHY)
     for var in ("SHMDIST_HOST_ID", "SHMDIST_TCP_ADDR", "SHMDIST_INTER", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     with hosts.PretendHosts(2) as h:
@@ -64,11 +65,18 @@ def test_point_to_point_on_pretend_hosts(run_ranks, pretend_hosts, engine):
     assert [g["result"] for g in got] == [expected_p2p(r, 4) for r in range(4)]
 
 
-def test_auto_engine_is_gloo_with_torch_and_tcp_without(monkeypatch):
+def test_auto_engine_is_tcp_outside_mpi(monkeypatch):
+    """gloo is opt-in (slower as built, see inter.py); MPI is automatic only under an MPI launcher."""
     from shmdist import inter
     for k in ("SHMDIST_INTER", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(k, raising=False)
-    assert inter.choose() == ("gloo" if HAVE_TORCH else "tcp")
+    assert inter.choose() == "tcp"
+    monkeypatch.setenv("SHMDIST_INTER", "GLOO")
+    assert inter.choose() == "gloo"
+    monkeypatch.delenv("SHMDIST_INTER")
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv("PMI_SIZE", "2")
+    assert inter.choose() == ("mpi" if importlib.util.find_spec("mpi4py") else "tcp")
     monkeypatch.setenv("SHMDIST_INTER", "carrier-pigeon")
     with pytest.raises(dist.DistError, match="SHMDIST_INTER='carrier-pigeon': expected one of auto, gloo, mpi, tcp"):
         inter.choose()
@@ -145,3 +153,24 @@ def test_collectives_with_the_mpi_engine_under_mpiexec(which, tmp_path):
     assert {g["chosen"] for g in got} == {"mpi"}
     assert [g["carried"]["bytes"] > 0 for g in got] == [True, False, True, False]
     assert_all_good(got)
+
+
+class _Stub:
+    """Just what inter.for_comm reads of a HierComm, over a dict store."""
+
+    def __init__(self):
+        data = {}
+        store = type("S", (), {"set": lambda s, k, v: data.__setitem__(k, v),
+                               "get": lambda s, k, t=None: data[k]})()
+        self.rank, self.world = 0, type("W", (), {"store": store, "timeout": 5})()
+        self.group = type("G", (), {"ranks": (0,)})()
+
+
+def test_the_chosen_engine_is_logged(monkeypatch, caplog):
+    from shmdist import inter
+    monkeypatch.setattr(inter, "_chosen", "")
+    monkeypatch.setenv("SHMDIST_INTER", "tcp")
+    with caplog.at_level("INFO", logger="shmdist"):
+        assert inter.for_comm(_Stub()) is None          # tcp: the point-to-point engine carries all
+    assert "inter-host engine: tcp (SHMDIST_INTER=tcp)" in caplog.text
+    assert inter.chosen() == "tcp"
