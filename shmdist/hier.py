@@ -28,10 +28,10 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from shmdist import _core, collectives
+from shmdist import _core, collectives, inter
 from shmdist.collectives import KINDS
 from shmdist.engine import COLLECTIVE_GID
-from shmdist.errors import DistError
+from shmdist.errors import DistError, DistPeerError, DistTimeoutError
 from shmdist.reduce_ops import ReduceOp, _from_f32, _to_f32, reduce_into
 from shmdist.request import DistributedRequest
 from shmdist.tensors import Buf, as_buf
@@ -92,6 +92,7 @@ class HierComm:
         self.order = [r for members in nodes for r in members]   # table rows: node by node
         self.broken: str | None = None
         self.lock = threading.Lock()
+        self.inter = inter.for_comm(self)   # the leaders' leg on gloo/MPI (inter.py), or None: the engine
 
     def arena_bytes(self) -> int:
         return self.comm.arena_bytes() if self.comm else 0
@@ -101,6 +102,8 @@ class HierComm:
             self.comm.unlink()
 
     def close(self) -> None:
+        if self.inter:
+            self.inter.close()
         if self.comm:
             self.comm.close()
 
@@ -125,10 +128,16 @@ class HierComm:
             yield
         except DistError as e:
             self.broken = f"{what} failed ({type(e).__name__})"
+            if not self.is_leader and isinstance(e, (DistTimeoutError, DistPeerError)):
+                raise inter.leader_was_away(self, e) from e   # name the hosts the leader was exchanging with
             raise
 
     def _exchange(self, what: str, sends: list, recvs: list, timeout: float) -> None:
         """Post ``recvs`` [(buf, src)] and ``sends`` [(buf, dst)], wait for all."""
+        between = None
+        if self.inter:   # takes the leader-to-leader messages (see inter.py)
+            with self._step(what):
+                sends, recvs, between = self.inter.start(what, sends, recvs, timeout)
         reqs = []
         for buf, src in recvs:
             req = DistributedRequest(self.engine, f"{what}: receive from rank {src}")
@@ -139,8 +148,14 @@ class HierComm:
             self.engine.send(req, buf, dst, self.gid, TAG)
             reqs.append(req)
         with self._step(what):
-            for req in reqs:
-                req.wait(timeout)
+            req = None
+            try:
+                for req in reqs:
+                    req.wait(timeout)
+                if between:
+                    between.wait(timeout)
+            except (DistTimeoutError, DistPeerError) as e:   # name the host the peer is on
+                raise inter.on_host(self, e, getattr(req, "_peers", None) or ()) from e
 
     def _local_broadcast(self, buf, root: int, what: str, timeout: float) -> None:
         """Broadcast inside this node from global rank ``root``."""

@@ -1010,10 +1010,13 @@ def parse_init_method(init_method: str | None, rank: int, world_size: int):
     """
     if init_method is None:
         init_method = "env://"
+    from shmdist import inter
+    inter.prepare()   # MPI_Init, when the inter-host leg runs on MPI, before any store (see inter.py)
     url = urlparse(init_method)
     scheme = url.scheme
     if scheme == "env":
-        env = os.environ
+        from shmdist import launchers   # torchrun, mpirun/mpiexec, srun: see launchers.py
+        launch, env = launchers.resolve(rank, world_size)
         try:
             if rank < 0:
                 rank = int(env["RANK"])
@@ -1023,8 +1026,7 @@ def parse_init_method(init_method: str | None, rank: int, world_size: int):
             port = int(env["MASTER_PORT"])
         except KeyError as e:
             raise DistError(f"Error initializing shmdist using env:// rendezvous: environment variable "
-                            f"{e.args[0]} expected, but not set; run under shmdist-run or torchrun, or "
-                            "pass init_method='tcp://HOST:PORT' with rank and world_size") from None
+                            f"{e.args[0]} expected, but not set; {launchers.missing_hint(launch)}") from None
         except ValueError as e:
             raise DistError(f"Error initializing shmdist using env:// rendezvous: {e}") from None
         return "tcp", (host, port), rank, world_size
@@ -1051,23 +1053,9 @@ def parse_init_method(init_method: str | None, rank: int, world_size: int):
 
 
 def host_identity() -> str:
-    """Ranks with the same identity can map each other's shared memory.
+    """Ranks with the same identity can map each other's shared memory (see hosts.py).
 
     SHMDIST_HOST_ID overrides it (containers; tests that pretend to be
     several hosts)."""
-    forced = os.environ.get("SHMDIST_HOST_ID")
-    if forced:
-        return forced
-    parts = [socket.gethostname()]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
-    except OSError:
-        pass
-    for path in ("/dev/shm", "/proc/self/ns/pid", "/proc/self/ns/ipc"):
-        try:
-            st = os.stat(path)
-            parts.append(f"{st.st_dev}:{st.st_ino}")
-        except OSError:
-            pass
-    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+    from shmdist.hosts import host_identity
+    return host_identity()

@@ -48,7 +48,7 @@ import numpy as np
 from shmdist import _core
 from shmdist.engine import HDR, MAGIC, VERSION, left_because
 from shmdist.errors import DistError, DistPeerError, DistTimeoutError
-from shmdist.rendezvous import SECRET_ENV, PrefixStore, recv_exact
+from shmdist.rendezvous import SECRET_ENV, recv_exact
 from shmdist.tensors import MAX_DIMS
 
 ADDR_ENV = "SHMDIST_TCP_ADDR"   # the address this rank listens on, when the default is wrong
@@ -567,16 +567,9 @@ def _discard_unread(sock: socket.socket, limit: int = 64 << 20) -> None:
 
 def _listen_address(store) -> str:
     """SHMDIST_TCP_ADDR, else the address through which this host reaches
-    the rendezvous store's master, else the host name's address."""
-    forced = os.environ.get(ADDR_ENV)
-    if forced:
-        return forced
-    while isinstance(store, PrefixStore):
-        store = store.store
-    sock = getattr(store, "sock", None)
-    if isinstance(sock, socket.socket):
-        return sock.getsockname()[0]
-    return socket.gethostbyname(socket.gethostname())
+    the rendezvous store's master, else the host name's address (see hosts.py)."""
+    from shmdist.hosts import listen_address
+    return listen_address(store)
 
 
 def job_digest(records: list) -> bytes:

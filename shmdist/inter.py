@@ -1,0 +1,401 @@
+"""The leg between hosts of the hierarchical collectives (hier.py), on an
+engine people already run: torch's gloo, MPI (mpi4py), or our own TCP
+transport.
+
+hier.py moves every message of a collective through ``HierComm._exchange``
+(a list of sends and receives, each a buffer and a peer). An inter-host
+engine takes from those lists the messages between this node's leader and
+another node's leader, carries them itself, and leaves the rest (inside a
+node: shared memory; to a non-leader on another host: the TCP transport)
+to the point-to-point engine. So an engine is one more carrier of the
+same messages, not another copy of the collective algorithms: the same
+check, the same reductions in the same order, the same bytes.
+
+Choosing (``SHMDIST_INTER``):
+
+- ``mpi``  mpi4py, when the job runs under an MPI launcher and every
+  rank's number is its MPI_COMM_WORLD rank;
+- ``gloo`` a torch gloo process group, created lazily on the job's store
+  among only the leaders of the group, on the address through which the
+  host reaches the rendezvous master (so host names need not resolve);
+- ``tcp``  the point-to-point engine (our TCP transport), needs nothing.
+
+Unset, or ``auto``: ``mpi`` under an MPI launcher with an mpi4py built for
+that MPI, else ``tcp``. Not ``gloo`` by default: as built here (gloo's
+send/recv for each exchange of the leaders) it measured slower than our
+TCP leg (bench/hosts_bench.py; gloo's unbound send/recv pays ~4 ms per
+exchange when the two leaders do not arrive together), so it is opt-in. The choice is logged
+(logger "shmdist", INFO) and ``chosen()`` returns it. All leaders must
+choose alike; they compare their choices through the store when the
+engine is made and raise DistMismatchError naming the ranks that differ.
+
+Messages between a pair of leaders are numbered per direction; the n-th
+message from A to B carries tag n on both ends (both ends run the same
+steps in the same order), so they never match out of order.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import logging
+import os
+import socket
+import time
+
+from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
+
+ENV = "SHMDIST_INTER"
+CHOICES = ("auto", "gloo", "mpi", "tcp")
+TAG_SPAN = 1 << 24
+log = logging.getLogger("shmdist")
+_chosen: str = ""
+_mpi_unusable = ""     # why auto must not pick MPI after all (an mpi4py of another MPI than the launcher's)
+carried = {"messages": 0, "bytes": 0}   # what this process's inter-host engines moved (for tests, bench)
+
+
+def chosen() -> str:
+    """The inter-host engine this process chose last ('' before any group spanned hosts)."""
+    return _chosen
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _under_mpi() -> bool:
+    from shmdist import launchers
+    return launchers.detect().source in ("openmpi", "mpich")
+
+
+def choose() -> str:
+    want = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if want not in CHOICES:
+        raise DistError(f"{ENV}={want!r}: expected one of {', '.join(CHOICES)}")
+    if want == "auto":
+        # Not gloo, even with torch: its leg as built here (send/recv per exchange) measured slower
+        # than ours on pretend hosts (bench/hosts_bench.py: ~4 ms more per exchange).
+        want = "mpi" if _under_mpi() and _importable("mpi4py") and not _mpi_unusable else "tcp"
+    return want
+
+
+def load_mpi():
+    """mpi4py's MPI, initialized, if it was built for the MPI that launched
+    this job; else None and why. Its library is asked first, before MPI_Init:
+    an MPICH mpi4py under Open MPI's mpiexec (or the reverse) aborts the
+    process in MPI_Init."""
+    import sys
+    from shmdist import launchers
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = True
+    from mpi4py import MPI
+    if MPI.Is_initialized():
+        return MPI, ""
+    source = launchers.detect().source
+    library = MPI.Get_library_version()
+    is_open_mpi = "Open MPI" in library
+    if source in ("openmpi", "mpich") and is_open_mpi != (source == "openmpi"):
+        return None, (f"mpi4py is built for {'Open MPI' if is_open_mpi else 'an MPICH-family MPI'} but the job "
+                      f"was started by {source}'s launcher")
+    MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    return MPI, ""
+
+
+def prepare() -> None:
+    """Called by init_process_group before any store exists: with the MPI
+    engine, initialize MPI now. MPI_Init is collective under Hydra and holds
+    the GIL while it waits, so rank 0 must not enter it later, when its
+    store's server thread must keep answering the ranks still on their way."""
+    global _mpi_unusable
+    if choose() != "mpi":
+        return
+    MPI, why = load_mpi()
+    if MPI is not None:
+        from shmdist import launchers
+        launch = launchers.detect()
+        size = MPI.COMM_WORLD.Get_size()
+        if launch.world_size > 0 and size != launch.world_size:
+            why = (f"mpi4py's MPI_COMM_WORLD has {size} rank(s) but the launcher ({launch.source}) started "
+                   f"{launch.world_size}")
+    if why:
+        _mpi_unusable = why
+        if os.environ.get(ENV, "auto").strip().lower() == "mpi":
+            raise DistError(f"{ENV}=mpi: {why}; install mpi4py built against this MPI, or set {ENV}=gloo or tcp")
+        log.info("inter-host engine: not MPI: %s", why)
+
+
+def host_names(comm) -> dict:
+    """rank -> host name, of the group's ranks: published when the group is
+    made (every rank of it is there), so that an error after a host became
+    unreachable can still name it."""
+    store = comm.world.store
+    store.set(f"hostname/{comm.rank}", socket.gethostname().encode())
+    names = {}
+    for r in comm.group.ranks:
+        try:
+            names[r] = bytes(store.get(f"hostname/{r}", comm.world.timeout)).decode()
+        except DistError:
+            names[r] = "?"
+    return names
+
+
+def on_host(comm, e: DistError, peers) -> DistError:
+    """``e`` with the hosts of ``peers`` (those of another node) named."""
+    names = getattr(comm, "host_names", {})
+    where = []
+    for p in peers:
+        if p is None or p not in comm.node_of or comm.node_of[p] == comm.node_of[comm.rank]:
+            continue
+        members = comm.nodes[comm.node_of[p]]
+        where.append(f"rank {p} is on host {names.get(p, '?')} (ranks {members})")
+    if not where or "is on host" in str(e):
+        return e
+    return type(e)(f"{e}; {'; '.join(where)}")
+
+
+def leader_was_away(comm, e: DistError) -> DistError:
+    """A non-leader's local step failed while its leader (maybe) waited on
+    the other hosts: say which hosts those are."""
+    leader = comm.local[0]
+    if str(leader) not in str(e) or "is on host" in str(e):
+        return e
+    names = getattr(comm, "host_names", {})
+    others = [f"{names.get(m[0], '?')} (ranks {m})" for m in comm.nodes if comm.rank not in m]
+    return type(e)(f"{e}; rank {leader} is this host's leader, which exchanges with the other hosts: "
+                   f"host {', host '.join(others)}; if it timed out too, one of those is unreachable or its "
+                   "ranks died")
+
+
+def for_comm(comm):
+    """The engine for a HierComm's leaders (None: the point-to-point engine carries everything)."""
+    global _chosen
+    comm.host_names = host_names(comm)
+    kind = choose()
+    if _chosen != kind:
+        log.info("inter-host engine: %s (%s=%s)", kind, ENV, os.environ.get(ENV, "auto"))
+    _chosen = kind
+    if kind == "tcp":
+        return None
+    return (GlooInter if kind == "gloo" else MpiInter)(comm)
+
+
+def _bytes_at(addr: int, nbytes: int):
+    return (ctypes.c_uint8 * nbytes).from_address(addr)
+
+
+class _Pending:
+    """Started messages of one exchange: (handle, peer, 'send'|'receive')."""
+
+    def __init__(self, inter, what: str):
+        self.inter, self.what, self.items = inter, what, []
+
+    def wait(self, timeout: float) -> None:
+        self.inter._wait(self, timeout)
+
+
+class _Inter:
+    kind = ""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank = comm.rank
+        self.leaders = list(comm.leaders)
+        self.index = {r: i for i, r in enumerate(self.leaders)}
+        self.sent: dict[int, int] = {}
+        self.got: dict[int, int] = {}
+        self.ready = False
+        self.names: dict[int, str] = {}
+        self.broken = ""
+
+    def carries(self, peer: int) -> bool:
+        c = self.comm
+        return c.is_leader and peer in self.index and c.node_of[peer] != c.node_of[self.rank]
+
+    def start(self, what: str, sends: list, recvs: list, timeout: float):
+        """Start the leader-to-leader messages of ``sends``/``recvs``; return the others, and the pending."""
+        mine_s = [(b, p) for b, p in sends if self.carries(p)]
+        mine_r = [(b, p) for b, p in recvs if self.carries(p)]
+        if not mine_s and not mine_r:
+            return sends, recvs, None
+        if self.broken:
+            raise DistPeerError(f"rank {self.rank}: {what}: the {self.kind} engine between hosts failed "
+                                f"earlier ({self.broken})")
+        if not self.ready:
+            self._setup(what, timeout)
+            self.ready = True
+        pending = _Pending(self, what)
+        for buf, peer in mine_r:
+            if buf.nbytes:
+                n = self.got[peer] = self.got.get(peer, 0) + 1
+                pending.items.append((self._recv(buf, peer, n % TAG_SPAN), peer, "receive"))
+        carried["messages"] += len(mine_s) + len(mine_r)
+        carried["bytes"] += sum(b.nbytes for b, _ in mine_s) + sum(b.nbytes for b, _ in mine_r)
+        for buf, peer in mine_s:
+            if buf.nbytes:
+                n = self.sent[peer] = self.sent.get(peer, 0) + 1
+                pending.items.append((self._send(buf, peer, n % TAG_SPAN), peer, "send"))
+        rest_s = [(b, p) for b, p in sends if not self.carries(p)]
+        rest_r = [(b, p) for b, p in recvs if not self.carries(p)]
+        return rest_s, rest_r, pending
+
+    def _agree(self, what: str, timeout: float) -> None:
+        """Every leader publishes its choice and host name, and compares."""
+        store = self.comm.world.store
+        key = f"inter/{self.comm.gid}"
+        store.set(f"{key}/{self.rank}", json.dumps([self.kind, socket.gethostname()]).encode())
+        for r in self.leaders:
+            kind, name = json.loads(store.get(f"{key}/{r}", timeout))
+            self.names[r] = name
+            if kind != self.kind:
+                raise DistMismatchError(
+                    f"rank {self.rank}: {what}: rank {r} chose the inter-host engine '{kind}' but this rank "
+                    f"'{self.kind}'; set {ENV} alike on every host (or install the same packages)")
+
+    def host_of(self, peer: int) -> str:
+        members = next((m for m in self.comm.nodes if peer in m), [peer])
+        name = self.names.get(peer) or self.comm.host_names.get(peer, "?")
+        return f"host {name} (ranks {members})"
+
+    def _failed(self, what: str, peer: int, role: str, e: BaseException, timed_out: bool) -> DistError:
+        why = f"{role} with rank {peer} on {self.host_of(peer)} over {self.kind}: {type(e).__name__}: {e}"
+        self.broken = why
+        cls = DistTimeoutError if timed_out else DistPeerError
+        return cls(f"rank {self.rank}: {what}: {why}; that host is unreachable or its ranks died")
+
+    def close(self) -> None:
+        pass
+
+
+class GlooInter(_Inter):
+    kind = "gloo"
+
+    def _setup(self, what: str, timeout: float) -> None:
+        import torch
+        from torch.distributed import ProcessGroupGloo
+
+        from shmdist.hosts import listen_address
+        self._agree(what, timeout)
+        self.torch = torch
+        opts = ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=timeout)
+        opts._devices = [ProcessGroupGloo.create_device(hostname=listen_address(self.comm.world.store))]
+        store = _TorchStore(self.comm.world.store, f"inter/{self.comm.gid}/gloo/", timeout)
+        try:
+            self.pg = ProcessGroupGloo(store, self.index[self.rank], len(self.leaders), opts)
+        except RuntimeError as e:
+            raise DistPeerError(f"rank {self.rank}: {what}: could not connect the gloo process group of "
+                                f"the leaders {self.leaders} ({e})") from e
+
+    def _tensor(self, buf):
+        return self.torch.frombuffer(_bytes_at(buf.addr, buf.nbytes), dtype=self.torch.uint8)
+
+    def _send(self, buf, peer: int, tag: int):
+        return self.pg.send([self._tensor(buf)], self.index[peer], tag)
+
+    def _recv(self, buf, peer: int, tag: int):
+        return self.pg.recv([self._tensor(buf)], self.index[peer], tag)
+
+    def _wait(self, pending: _Pending, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for work, peer, role in pending.items:
+            left = max(0.001, deadline - time.monotonic())
+            try:
+                work.wait(datetime.timedelta(seconds=left))
+            except RuntimeError as e:
+                timed_out = time.monotonic() >= deadline or "imeout" in str(e)
+                raise self._failed(pending.what, peer, role, e, timed_out) from None
+
+    def close(self) -> None:
+        pg = getattr(self, "pg", None)
+        self.pg = None
+        if pg is not None:
+            try:
+                pg.abort() if self.broken else pg.shutdown()
+            except Exception:   # noqa: BLE001 - closing after a failure
+                pass
+
+
+class MpiInter(_Inter):
+    kind = "mpi"
+
+    def __init__(self, comm):
+        super().__init__(comm)
+        MPI, why = load_mpi()   # initialized by prepare() already, normally
+        if MPI is None:
+            raise DistError(f"rank {self.rank}: {ENV}=mpi: {why}")
+
+    def _setup(self, what: str, timeout: float) -> None:
+        from mpi4py import MPI
+        self.MPI = MPI
+        world = MPI.COMM_WORLD
+        if world.Get_size() != self.comm.world.world_size or world.Get_rank() != self.rank:
+            raise DistError(f"rank {self.rank}: {what}: {ENV}=mpi needs each rank's number to be its "
+                            f"MPI_COMM_WORLD rank (this is MPI rank {world.Get_rank()} of {world.Get_size()}); "
+                            f"start init_process_group without rank/world_size under mpirun, or set {ENV}=gloo")
+        self._agree(what, timeout)
+        group = world.Get_group().Incl(self.leaders)
+        self.mpi = world.Create_group(group, tag=int(self.comm.gid % 32768))
+        group.Free()
+
+    def _send(self, buf, peer: int, tag: int):
+        return self.mpi.Isend([_bytes_at(buf.addr, buf.nbytes), self.MPI.BYTE], self.index[peer], tag)
+
+    def _recv(self, buf, peer: int, tag: int):
+        return self.mpi.Irecv([_bytes_at(buf.addr, buf.nbytes), self.MPI.BYTE], self.index[peer], tag)
+
+    def _wait(self, pending: _Pending, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for req, peer, role in pending.items:
+            while not req.Test():
+                if time.monotonic() > deadline:
+                    raise self._failed(pending.what, peer, role, TimeoutError(f"not done within {timeout:g} s"),
+                                       True)
+                time.sleep(0.00005)
+
+    def close(self) -> None:
+        comm = getattr(self, "mpi", None)
+        self.mpi = None
+        if comm is not None and not self.broken:
+            try:
+                comm.Free()
+            except Exception:   # noqa: BLE001
+                pass
+
+
+class _TorchStore:
+    """Our store as torch's c10d Store (gloo's rendezvous), keys under a prefix."""
+
+    def __new__(cls, store, prefix: str, timeout: float):
+        import torch.distributed as tdist
+
+        class Adapter(tdist.Store):
+            def __init__(self):
+                super().__init__()
+
+            def set(self, key, value):
+                store.set(prefix + key, value if isinstance(value, bytes) else bytes(value, "utf-8")
+                          if isinstance(value, str) else bytes(value))
+
+            def get(self, key):
+                return store.get(prefix + key, timeout)
+
+            def add(self, key, amount):
+                return store.add(prefix + key, amount)
+
+            def wait(self, keys, *args):
+                for key in keys:
+                    store.get(prefix + key, timeout)
+
+            def check(self, keys):
+                raise NotImplementedError
+
+            def set_timeout(self, t):
+                pass
+
+        return Adapter()
