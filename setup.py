@@ -15,7 +15,7 @@ ext = Extension(
     "shmdist._core",
     sources=["shmdist/_core.pyx"],
     include_dirs=["shmdist"],
-    depends=["shmdist/_atomics.h", "shmdist/_half.h", "shmdist/_trace.h", "shmdist/_core.pxd"],
+    depends=["shmdist/_atomics.h", "shmdist/_half.h", "shmdist/_trace.h", "shmdist/_sum.h", "shmdist/_core.pxd"],
     extra_compile_args=["-O3", "-fno-strict-aliasing", "-fwrapv"],
 )
 

@@ -442,8 +442,14 @@ cdef inline size_t _part_start(size_t count, int n, int j) noexcept nogil:
     return j * base + (j if <size_t>j < rem else rem)
 
 
+cdef extern from "_sum.h" nogil:      # float32/float64 SUM and PRODUCT, all inputs in one pass
+    int sd_reduce_float(int f64, int op, void *out, const void *const *ins, int n, size_t count)
+
+
 cdef void _reduce_parts_kind(int kind, int op, size_t out, const size_t *ins, int n,
                              size_t count) noexcept nogil:
+    if kind <= 1 and sd_reduce_float(kind, op, <void *>out, <const void *const *>ins, n, count):
+        return
     if kind >= 4:       # bfloat16, float16: op 0 SUM, 1 PRODUCT, 7 AVG (the sum divided by n)
         sd_reduce_half(kind - 4, op, <uint16_t *>out, <const uint16_t *const *>ins, n, count, <float>n)
     elif kind == 0:

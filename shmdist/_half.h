@@ -235,6 +235,85 @@ static void sd_half_avx512(int f16, int op, uint16_t *out, const uint16_t *const
     SD_TAIL(f16)
 }
 
+/* The common case at AVX-512, 32 elements an iteration: no input of the block is
+ * a NaN. Then the NaN rule of SD_COMBINE has nothing to keep (a NaN can only
+ * arise as inf - inf or 0 * inf, x86's default NaN, which both roundings below
+ * turn into numpy's bits), so the combination is plain vector arithmetic. A block
+ * with a NaN input goes through sd_half_avx512, 32 elements at a time.
+ * bfloat16 widens by interleaving zero words below each element (vpunpck*wd:
+ * the lanes come out permuted within each 128 bits, the same for every input)
+ * and narrows by packing the rounded top halves back in that order (vpackusdw;
+ * no value exceeds 0xFFFF, so nothing saturates). */
+static void sd_half_avx512(int f16, int op, uint16_t *out, const uint16_t *const *ins, int n,
+                           size_t count, float div);
+
+__attribute__((target(SD_512_TARGET)))
+static inline __m512i sd512_round_bf16(__m512 a) {
+    __m512i b = _mm512_castps_si512(a);
+    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)),
+                                              _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))), 16);
+}
+
+/* LO, HI: the 32 elements at P widened; TOP: the largest magnitude bits seen (a NaN
+ * input is one above 0x7f80, bfloat16's infinity, or 0x7c00, float16's) */
+#define SD_FAST_LOAD(P, LO, HI)                                                      \
+    {                                                                                \
+        __m512i x_ = _mm512_loadu_si512((const void *)(P));                          \
+        top = _mm512_max_epu16(top, _mm512_and_si512(x_, mag));                      \
+        if (f16) {                                                                   \
+            LO = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P)));          \
+            HI = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P) + 1));      \
+        } else {                                                                     \
+            LO = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x_));               \
+            HI = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x_));               \
+        }                                                                            \
+    }
+
+__attribute__((target(SD_512_TARGET)))
+static void sd_half_fast512(int f16, int op, uint16_t *out, const uint16_t *const *ins, int n,
+                            size_t count, float div) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512 d = _mm512_set1_ps(div);
+    const __m512i mag = _mm512_set1_epi16(0x7fff), inf = _mm512_set1_epi16(f16 ? 0x7c00 : 0x7f80);
+    const uint16_t *at[64];
+    size_t i = 0;
+    int j, k;
+    for (; i + 32 <= count; i += 32) {
+        __m512 lo, hi, blo, bhi;
+        __m512i top = zero;
+        SD_FAST_LOAD(ins[0] + i, lo, hi)
+        for (j = 1; j < n; j++) {
+            SD_FAST_LOAD(ins[j] + i, blo, bhi)
+            if (op == SD_HPROD) {
+                lo = _mm512_mul_ps(lo, blo);
+                hi = _mm512_mul_ps(hi, bhi);
+            } else {
+                lo = _mm512_add_ps(lo, blo);
+                hi = _mm512_add_ps(hi, bhi);
+            }
+        }
+        if (_mm512_cmpgt_epu16_mask(top, inf)) {     /* a NaN input: the careful build, this block */
+            for (k = 0; k < n; k++) at[k] = ins[k] + i;
+            sd_half_avx512(f16, op, out + i, at, n, 32, div);
+            continue;
+        }
+        if (op == SD_HAVG) {
+            lo = _mm512_div_ps(lo, d);
+            hi = _mm512_div_ps(hi, d);
+        }
+        if (f16) {
+            _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm256_storeu_si256((__m256i *)(out + i) + 1, _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        } else {
+            _mm512_storeu_si512((void *)(out + i), _mm512_packus_epi32(sd512_round_bf16(lo), sd512_round_bf16(hi)));
+        }
+    }
+    if (i < count) {
+        for (k = 0; k < n; k++) at[k] = ins[k] + i;
+        sd_half_avx512(f16, op, out + i, at, n, count - i, div);
+    }
+}
+
 __attribute__((target("avx2,f16c")))
 static inline __m256 sd256_load(int f16, const uint16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
@@ -317,7 +396,8 @@ static void sd_reduce_half(int f16, int op, uint16_t *out, const uint16_t *const
     }
 #if SD_X86
     if (level == 2) {
-        sd_half_avx512(f16, op, out, ins, n, count, div);
+        if (n <= 64) sd_half_fast512(f16, op, out, ins, n, count, div);
+        else sd_half_avx512(f16, op, out, ins, n, count, div);
         return;
     }
     if (level == 1) {

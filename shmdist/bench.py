@@ -6,13 +6,16 @@ Spawns the ranks itself and measures, side by side:
 - torch.distributed with gloo (same harness; skipped when torch is absent),
 - mpi4py under every MPI found: the ``mpiexec`` beside each Python given by
   ``--mpi-python`` (default: this Python and ``./.venv*/bin/python``),
+- DeepSpeed's shared-memory all_reduce (``inference_all_reduce``, the op of
+  CPU inference) under the Python given by ``--ds-python``, all_reduce rows only,
 - a one-process numpy copy (``np.copyto``, ``a += b``): the physical reference.
 
 Every figure is a median over many iterations after a warm-up. Each point has
 a timeout: a point that hangs (more ranks than cores) is killed, reported, and
 the run goes on with the next point. Progress goes to stderr, the table to
 stdout. The same file is the rank program (``--worker``): for MPI it runs as a
-plain script (``python -I bench.py``) and needs only numpy and mpi4py there.
+plain script (``python -I bench.py``) and needs only numpy and mpi4py there
+(for DeepSpeed: numpy, torch and deepspeed).
 """
 from __future__ import annotations
 
@@ -41,13 +44,16 @@ LATENCY_SIZES = (8, 4 * KiB, 64 * KiB, MiB, 16 * MiB, 256 * MiB)
 BANDWIDTH_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 # the other send/recv patterns: a loop of blocking sends, and both ranks sending at once
 STREAM_SIZES = BANDWIDTH_SIZES
-ALL_REDUCE_SIZES = (4 * KiB, MiB, 16 * MiB, 64 * MiB)
+ALL_REDUCE_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
 BROADCAST_SIZES = (16 * MiB,)
-KINDS = ("latency", "bandwidth", "blocking", "bidir", "all_reduce", "broadcast", "barrier", "idle")
+KINDS = ("latency", "bandwidth", "blocking", "bidir", "all_reduce", "all_reduce_bf16", "all_reduce_fp16",
+         "broadcast", "barrier", "idle")
+# all_reduce (SUM) of each dtype: float32 as numpy arrays, the 16-bit floats as torch tensors
+REDUCE_DTYPES = {"all_reduce": "float32", "all_reduce_bf16": "bfloat16", "all_reduce_fp16": "float16"}
 P2P = ("latency", "bandwidth", "blocking", "bidir")
 COLLECTIVES = ("all_reduce", "broadcast", "barrier")
-BACKENDS = ("shmdist", "shmdist-tcp", "gloo", "mpi", "memcpy")
-PEERS_ORDER = ("shmdist", "shmdist tcp", "gloo", "MPICH", "Open MPI", "memcpy")
+BACKENDS = ("shmdist", "shmdist-tcp", "gloo", "mpi", "deepspeed", "memcpy")
+PEERS_ORDER = ("shmdist", "shmdist tcp", "gloo", "MPICH", "Open MPI", "DeepSpeed", "memcpy")
 OURS = ("shmdist", "shmdist tcp", "memcpy")   # not peers: the ratio compares shmdist with the others
 IDLE_SECONDS = 1.0
 BANDWIDTH_WINDOW = 32 * MiB      # bytes in flight per bandwidth iteration (at most 64 messages)
@@ -76,8 +82,9 @@ def plan(kinds, ranks) -> list[Point]:
         if kind in kinds:
             rows += [Point(kind, n, 2) for n in STREAM_SIZES]
     for r in ranks:
-        if "all_reduce" in kinds:
-            rows += [Point("all_reduce", n, r) for n in ALL_REDUCE_SIZES]
+        for kind in REDUCE_DTYPES:
+            if kind in kinds:
+                rows += [Point(kind, n, r) for n in ALL_REDUCE_SIZES]
         if "broadcast" in kinds:
             rows += [Point("broadcast", n, r) for n in BROADCAST_SIZES]
         if "barrier" in kinds:
@@ -150,6 +157,43 @@ class GlooComm(ShmdistComm):
 
     def recv(self, buf, src):
         self.d.recv(buf, src)
+
+
+class DeepSpeedComm(GlooComm):
+    """DeepSpeed's shared-memory all_reduce: the op ``deepspeed.comm.inference_all_reduce``
+    runs (``torch.ops.deepspeed.inference_all_reduce_``, called directly: the peer at its
+    fastest). Rendezvous, and the harness's own sends, over gloo as DeepSpeed sets it up.
+    The launcher sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE (without it the op crashes),
+    MASTER_ADDR/PORT and OMP_NUM_THREADS=1, DeepSpeed's favourable setting."""
+
+    def __init__(self, rank: int, world: int, port: int, timeout: float):
+        import torch
+        import torch.distributed as dist
+
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        op = getattr(getattr(torch.ops, "deepspeed", None), "inference_all_reduce_", None)
+        if op is None:
+            raise RuntimeError("DeepSpeed's shm all_reduce op did not build (torch.ops.deepspeed."
+                               "inference_all_reduce_ is missing): inference_all_reduce would be gloo's")
+        self.d, self.torch, self.op = dist, torch, op
+        self.rank, self.size = rank, world
+        self.version = f"DeepSpeed {deepspeed.__version__} (torch {torch.__version__})"
+
+    def all_reduce(self, buf):
+        self.op(buf)
+
+
+def ds_env(world: int, rank: int, port: int) -> dict:
+    """The environment of a DeepSpeed rank (see DeepSpeedComm)."""
+    return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+            "LOCAL_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+
+
+def ds_shm_entries(port: int) -> list[str]:
+    """The /dev/shm files DeepSpeed's op made for the job on ``port`` (it never removes them)."""
+    return glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*")
 
 
 class MpiComm:
@@ -295,8 +339,8 @@ def measure(comm, p: Point, s: dict) -> dict:
             reqs = [comm.irecv(into, peer) for _ in range(window)]
             comm.wait_all([comm.isend(out, peer) for _ in range(window)] + reqs)
         return stats(2 * window * p.nbytes / timed(comm, step, s), "B/s")
-    if p.kind == "all_reduce":
-        buf = filled(comm, p.nbytes, np.float32)
+    if p.kind in REDUCE_DTYPES:
+        buf = reduce_buffer(comm, p)
         comm.all_reduce(buf)
         expect(comm, p, buf, comm.size)
         buf[:] = 0      # sums stay 0 however many iterations run: no overflow, no denormals
@@ -311,6 +355,15 @@ def measure(comm, p: Point, s: dict) -> dict:
     if p.kind == "idle":
         return measure_idle(comm, peer, s)
     raise ValueError(f"unknown figure {p.kind!r}")
+
+
+def reduce_buffer(comm, p: Point, value=1):
+    """The array of an all_reduce point: float32 numpy (wrapped), or a torch tensor of a 16-bit float."""
+    dtype = REDUCE_DTYPES[p.kind]
+    if dtype == "float32":
+        return filled(comm, p.nbytes, np.float32, value)
+    import torch
+    return torch.full((p.nbytes // 2,), value, dtype=getattr(torch, dtype))
 
 
 def expect(comm, p: Point, buf, value) -> None:
@@ -364,6 +417,8 @@ def worker(args) -> int:
         comm = ShmdistComm(args.rank, args.world, args.port, args.timeout, backend="tcp")
     elif args.worker == "gloo":
         comm = GlooComm(args.rank, args.world, args.port, args.timeout)
+    elif args.worker == "deepspeed":
+        comm = DeepSpeedComm(args.rank, args.world, args.port, args.timeout)
     elif args.worker == "mpi":
         comm = MpiComm()
     else:
@@ -379,7 +434,7 @@ def worker(args) -> int:
 
 class Backend(NamedTuple):
     label: str          # the table's column
-    key: str            # worker kind: shmdist, gloo, mpi, memcpy
+    key: str            # worker kind: shmdist, gloo, mpi, deepspeed, memcpy
     python: str         # interpreter of the ranks
     mpiexec: str = ""
 
@@ -418,6 +473,36 @@ def find_mpis(pythons) -> tuple[list[Backend], list[str]]:
     return found, notes
 
 
+DS_PROBE = """
+import os, sys
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+b = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if b is None or not deepspeed.ops.__compatible_ops__.get(b.NAME, False):
+    sys.exit("its shm op is not compatible here")
+b.load()
+print("DeepSpeed", deepspeed.__version__)
+"""
+
+
+def find_deepspeed(py: str) -> tuple[list[Backend], list[str]]:
+    """DeepSpeed under ``py``, its shm op built once here (g++ -fopenmp, about 35 s the first
+    time; cached after), so that no rank's start-up runs into the point's timeout."""
+    how = (f"DeepSpeed skipped (under {py}); make its venv: python -m venv V && V/bin/pip install "
+           f"torch && DS_ACCELERATOR=cpu DS_BUILD_OPS=0 V/bin/pip install deepspeed; then --ds-python "
+           f"V/bin/python")
+    try:
+        out = subprocess.run([py, "-I", "-c", DS_PROBE], capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [], [f"{how}: {e}"]
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        return [], [f"{how}: its shm all_reduce op does not build or load ({last})"]
+    return [Backend("DeepSpeed", "deepspeed", py)], []
+
+
 def detect(args) -> tuple[list[Backend], list[str]]:
     wanted = set(args.backends)
     backends, notes = [], []
@@ -438,6 +523,14 @@ def detect(args) -> tuple[list[Backend], list[str]]:
         notes += mpi_notes
         if not mpis:
             notes.append("MPI skipped: no mpi4py with an mpiexec found (pip install mpich mpi4py)")
+    if "deepspeed" in wanted:
+        if args.ds_python:
+            found, ds_notes = find_deepspeed(args.ds_python)
+            backends += found
+            notes += ds_notes
+        else:
+            notes.append("DeepSpeed skipped: give its interpreter with --ds-python (a venv with torch "
+                         "and deepspeed: DS_ACCELERATOR=cpu DS_BUILD_OPS=0 pip install deepspeed)")
     if "memcpy" in wanted:
         backends.append(Backend("memcpy", "memcpy", sys.executable))
     return backends, notes
@@ -448,6 +541,25 @@ def shmdist_lacks(kind: str) -> bool:
     return kind in COLLECTIVES and not hasattr(shmdist, kind)
 
 
+def has_torch() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("torch") is not None
+
+
+def measures(b: Backend, kind: str) -> bool:
+    """Whether ``b`` measures figures of ``kind``: DeepSpeed only all_reduce; MPI and the
+    TCP transport no 16-bit floats (mpi4py has no bfloat16; the rows compare shared memory);
+    shmdist the 16-bit floats through torch tensors, so only where torch is installed."""
+    half = kind in REDUCE_DTYPES and REDUCE_DTYPES[kind] != "float32"
+    if b.key == "deepspeed":
+        return kind in REDUCE_DTYPES
+    if b.key in ("mpi", "shmdist-tcp") and half:
+        return False
+    if b.key == "shmdist":
+        return not shmdist_lacks(kind) and not (half and not has_torch())
+    return True
+
+
 def runs(b: Backend, rows: list[Point]) -> dict[int, list[Point]]:
     """The points ``b`` measures, by number of ranks."""
     if b.key == "memcpy":
@@ -456,7 +568,7 @@ def runs(b: Backend, rows: list[Point]) -> dict[int, list[Point]]:
         return {1: list(dict.fromkeys(own))}
     by_ranks: dict[int, list[Point]] = {}
     for p in rows:
-        if not (b.key == "shmdist" and shmdist_lacks(p.kind)):
+        if measures(b, p.kind):
             by_ranks.setdefault(p.ranks, []).append(p)
     return by_ranks
 
@@ -471,15 +583,19 @@ def launch(b: Backend, world: int, points: list[Point], settings: dict, timeout:
             extra += ["--allow-run-as-root"] if os.geteuid() == 0 else []
             extra += ["--oversubscribe"] if world > (os.cpu_count() or 1) else []
         argvs = [[b.mpiexec, *extra, "-n", str(world), b.python, "-I", os.path.abspath(__file__), *common]]
+        envs = [None]
     else:
-        port = str(free_port())
-        argvs = [[b.python, "-m", "shmdist.bench", *common, "--rank", str(r), "--port", port]
-                 for r in range(world)]
+        port = free_port()
+        # DeepSpeed's ranks run this file as a plain script in their own venv, like MPI's
+        start = ["-I", os.path.abspath(__file__)] if b.key == "deepspeed" else ["-m", "shmdist.bench"]
+        argvs = [[b.python, *start, *common, "--rank", str(r), "--port", str(port)] for r in range(world)]
+        envs = [ds_env(world, r, port) if b.key == "deepspeed" else None for r in range(world)]
     procs, errs = [], []
-    for i, argv in enumerate(argvs):
+    for i, (argv, env) in enumerate(zip(argvs, envs)):
         err = open(os.path.join(logdir, f"{b.key}-{world}-{i}.err"), "w+")
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
-                                      stderr=err, text=True, start_new_session=True))
+                                      stderr=err, text=True, start_new_session=True, env=env))
+        procs[-1].ds_port = port if b.key == "deepspeed" else None
         errs.append(err)
     return procs, errs
 
@@ -503,6 +619,9 @@ def stop(procs, errs, kill: bool) -> None:
         p.wait()
         if p.stdout is not None:
             p.stdout.close()
+    for p in procs[:1]:
+        for path in ds_shm_entries(p.ds_port) if getattr(p, "ds_port", None) else []:
+            os.unlink(path)
     for e in errs:
         e.close()
 
@@ -583,6 +702,8 @@ def row_label(p: Point) -> str:
     if p.kind == "bidir":
         return f"p2p both ways at once {size_text(p.nbytes)}"
     ranks = "1 process" if p.ranks == 1 else f"{p.ranks} ranks"
+    if p.kind in REDUCE_DTYPES and p.kind != "all_reduce":
+        return f"all_reduce {REDUCE_DTYPES[p.kind]} {size_text(p.nbytes)}, {ranks}"
     if p.kind == "barrier":
         return f"barrier, {ranks}"
     if p.kind == "idle":
@@ -716,6 +837,9 @@ def parse(argv):
     ap.add_argument("--mpi-python", action="append", metavar="PYTHON",
                     help="an interpreter with mpi4py, its mpiexec beside it (repeatable; default: this "
                          "Python and ./.venv*/bin/python)")
+    ap.add_argument("--ds-python", metavar="PYTHON",
+                    help="an interpreter with torch and deepspeed: DeepSpeed's shm all_reduce joins the "
+                         "all_reduce rows (skipped, with a note, without it or when its op cannot build)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="measure every backend this many times, interleaved (A B A B ...), and report "
                          "medians and the ratio's range over the rounds (default 3, 1 with --quick)")

@@ -1,4 +1,5 @@
 """The benchmark CLI runs end to end (figures are not checked: timing never fails a test)."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -28,8 +29,9 @@ def test_bench_quick_prints_a_table_and_writes_json(tmp_path):
     assert "[  1/" in run.stderr        # progress is shown while it runs
     doc = json.loads(out.read_text())
     mine = [r for r in doc["results"] if r["backend"] == "shmdist"]
+    half = {"all_reduce_bf16", "all_reduce_fp16"} if importlib.util.find_spec("torch") else set()
     assert {r["kind"] for r in mine} == {"latency", "bandwidth", "blocking", "bidir", "all_reduce", "broadcast",
-                                         "barrier", "idle"}
+                                         "barrier", "idle"} | half
     for r in mine:
         assert "failed" not in r, r
         assert r["value"] >= 0 and r["iters"] >= 1 and r["unit"] in ("s", "B/s", "cpu")
@@ -60,3 +62,19 @@ def test_bench_rejects_unknown_filters():
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     assert "--only: unknown nonsense" in run.stderr
+
+
+@pytest.mark.timeout(200)
+def test_bench_skips_deepspeed_with_a_note_when_it_cannot_run(tmp_path):
+    """DeepSpeed is a peer only when its interpreter loads it and its op builds; else a note, and the run goes on."""
+    run = subprocess.run([sys.executable, "-m", "shmdist.bench", "--quick", "--ranks", "2", "--only", "all_reduce",
+                          "--backends", "shmdist,deepspeed", "--ds-python", str(tmp_path / "no-such-python")],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "note: DeepSpeed skipped (under " in run.stdout and "--ds-python" in run.stdout
+    assert any(line.startswith("| all_reduce 4 KiB, 2 ranks |") for line in run.stdout.splitlines())
+    assert "| DeepSpeed |" not in run.stdout
+    run = subprocess.run([sys.executable, "-m", "shmdist.bench", "--quick", "--ranks", "2", "--only", "barrier",
+                          "--backends", "shmdist,deepspeed"], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "note: DeepSpeed skipped: give its interpreter with --ds-python" in run.stdout
