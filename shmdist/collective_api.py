@@ -165,9 +165,9 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     if quick and group is None and _g._lane is not None:    # the default group's, before any other work
         arr, name = tensor, None
         if tensor.__class__ is not np.ndarray:
-            arr, name = _g.fast_bf16(tensor), "bfloat16"   # first: fast_array would raise inside for it
+            arr = _g.fast_array(tensor)                    # None for bfloat16 (numpy has no such dtype)
             if arr is None:
-                arr, name = _g.fast_array(tensor), None
+                arr, name = _g.fast_bf16(tensor), "bfloat16"
         coll = _g._world.default.coll
         if name is not None and not getattr(coll, "quick_names", False):
             arr = None          # a comm whose quick path takes no dtype name (groups spanning hosts)
