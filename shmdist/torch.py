@@ -81,6 +81,14 @@ def _timed_out(e: DistTimeoutError) -> DistTimeoutError:
     return out
 
 
+def _at_least(timeout):
+    """A per-call timeout as shmdist takes it: 0 (torch's "do not wait") as the least wait."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    return 1e-6 if seconds == 0 else timeout
+
+
 class ShmWork(dist.Work):
     """The Work torch callers get. ``request`` is the pending shmdist request
     of a send or receive; collectives are complete when their Work is made.
@@ -514,23 +522,26 @@ class ShmProcessGroup(dist.ProcessGroup):
         (unset: negative); that call then waits that long, not the group's timeout."""
         try:
             if opts.__class__ is _BarrierOptions:
-                limit = opts.timeout
-                limit = limit if limit > _NO_WAIT else timeout
+                limit = opts.timeout                    # unset: negative
+                limit = timeout if limit < _NO_WAIT else _at_least(limit)
             else:
-                limit = timeout
+                limit = _at_least(timeout)
             api.barrier(self._g, timeout=limit)
             return self._work(opts, [])
         except DistTimeoutError as e:
             raise _timed_out(e) from None
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
-        """A barrier that waits ``timeout`` (a timedelta or seconds; the group's
-        timeout when None); one that times out names every rank it waited for,
-        whatever ``wait_all_ranks`` says. (torch.distributed.monitored_barrier
-        itself accepts gloo groups only; this is the method on the group.)"""
-        if isinstance(timeout, datetime.timedelta) and timeout <= _NO_WAIT:
-            timeout = None
-        self.barrier(timeout=timeout)
+        """A barrier that waits ``timeout`` (a timedelta or seconds; 0: no
+        wait; the group's timeout when None); one that times out says so as
+        gloo's does ("Rank R timed out in monitoredBarrier") and names every
+        rank it waited for, whatever ``wait_all_ranks`` says.
+        (torch.distributed.monitored_barrier itself accepts gloo groups only;
+        this is the method on the group.)"""
+        try:
+            self.barrier(timeout=timeout)
+        except DistTimeoutError as e:
+            raise DistTimeoutError(f"Rank {self._me} timed out in monitoredBarrier: {e}") from None
 
     # ------------------------------------------------------------ point to point
 

@@ -84,18 +84,25 @@ def torch_barrier_timeouts(rank, world_size, init_method):
         out.append(_lonely(lambda: dist.barrier(b, async_op=True, timeout=HALF).wait(), rank,
                            "dist.barrier async"))
         out.append(_lonely(lambda: c.monitored_barrier(HALF), rank, "ProcessGroup.monitored_barrier"))
+        d = dist.new_group([0, 1])      # gloo's test: a timeout of 0 times out at once, worded as gloo's
+        zero = _lonely(lambda: d.monitored_barrier(datetime.timedelta(0)), rank, "monitored_barrier(0)")
+    else:
+        dist.new_group([0, 1])
+        zero = None
     dist.barrier()
     if rank == 0:
         out.append(_lonely(lambda: dist.barrier(timeout=HALF), rank, "dist.barrier, default group"))
     else:
         time.sleep(2)
     dist.destroy_process_group()
-    return out
+    return out, zero
 
 
 @requires_torch
 def test_torch_barrier_honours_its_own_timeout(run_ranks):
-    out = run_ranks(torch_barrier_timeouts, 2, timeout=50)[0]
+    out, zero = run_ranks(torch_barrier_timeouts, 2, timeout=50)[0]
+    label, seconds, error = zero
+    assert "Rank 0 timed out in monitoredBarrier" in error and seconds < 20, zero
     assert [label for label, _, _ in out] == ["dist.barrier", "dist.barrier async",
                                               "ProcessGroup.monitored_barrier", "dist.barrier, default group"]
     for label, seconds, error in out:
