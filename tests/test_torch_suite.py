@@ -4,12 +4,12 @@ tests/torch_suite_driver.py drives torch's file as torch's
 test_distributed_spawn.py does; this module runs it in a subprocess and
 reads the outcome of each test.
 
-By default (CI), a subset of 3 ranks: the 19 tests below, chosen to cover
+By default (CI), a subset of 3 ranks: the 20 tests below, chosen to cover
 every kind of call torch's file makes on a CPU backend in a few minutes on
 two cores (each test spawns 3 fresh interpreters that import torch): point
 to point (blocking, async, tagged, from any source, batched), each
 collective (whole group, a subgroup, coalesced), object collectives,
-timeouts, and DDP. torch's file runs with SHMDIST_SUITE_GATES=gloo (it reads
+timeouts (the group's, and a per-call one), and DDP. torch's file runs with SHMDIST_SUITE_GATES=gloo (it reads
 BACKEND "gloo" while the ranks run on shm): these are tests gloo runs, and
 they must pass on shm as they do on gloo.
 
@@ -45,18 +45,16 @@ DRIVER = HERE / "torch_suite_driver.py"
 # Tests gloo passes on CPU and shm does not, each with its reason (README lists them).
 EXCEPTIONS = {
     # torch.distributed.monitored_barrier raises "monitored_barrier is only implemented for GLOO
-    # backend" for any other backend; the tests that call it directly on the group expect gloo's
-    # own message ("Rank 0 timed out in monitoredBarrier")
+    # backend" for any other backend (test_monitored_barrier_gloo_rank_0_timeout, which calls the
+    # group's own method, passes on shm)
     "test_monitored_barrier_gloo": "monitored_barrier is gloo's only (torch refuses other backends)",
     "test_monitored_barrier_gloo_subgroup": "monitored_barrier is gloo's only",
-    "test_monitored_barrier_gloo_rank_0_timeout": "expects gloo's monitoredBarrier message",
     "test_monitored_barrier_wait_all_ranks": "monitored_barrier is gloo's only",
     "test_monitored_barrier_failure_order": "monitored_barrier is gloo's only",
     "test_monitored_barrier_allreduce_hang": "monitored_barrier is gloo's only",
     "test_monitored_barrier_allreduce_hang_wait_all_ranks": "monitored_barrier is gloo's only",
     # shm moves dense (strided) tensors; a sparse one is refused with an error naming its layout
     "test_sparse_all_reduce_sum": "sparse tensors are not supported",
-    "test_sparse_all_reduce_sum_cuda": "sparse tensors are not supported (and CUDA)",
 }
 
 # Tests that, with SHMDIST_SUITE_GATES=gloo, compare the backend's name with the name torch's file
@@ -78,6 +76,8 @@ SUBSET = [
     # objects, timeouts, DDP
     "test_all_gather_object_subgroup", "test_scatter_object_list",
     "test_barrier_timeout_full_group", "test_DistributedDataParallelCPU",
+    # a per-call timeout of 0 on the group's own monitored_barrier, with gloo's wording
+    "test_monitored_barrier_gloo_rank_0_timeout",
 ]
 
 
