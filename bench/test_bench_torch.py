@@ -9,7 +9,9 @@ over the rounds:
     python bench/test_bench_torch.py rows [--rounds 3]
 
 - send/recv of 8 bytes one way (half a ping-pong), all_reduce of 4 KiB and
-  barrier through torch.distributed, 2 ranks;
+  barrier through torch.distributed, 2 ranks; also on the backend "null",
+  whose calls do nothing: torch's own cost of the call, which no backend
+  avoids;
 - shmdist's own send/recv of 8 bytes one way with a torch tensor and with a
   numpy array (the cost of taking torch tensors);
 - the step of a small DDP model (3 Linear layers of 256, batch 32, SGD) on
@@ -121,8 +123,51 @@ def _median_us(step, iters: int, reps: int = 5) -> float:
     return statistics.median(batches)
 
 
+def _register_null() -> None:
+    """The backend "null": a ProcessGroup whose calls do nothing (a send or
+    receive returns one premade completed Work). Through torch.distributed
+    it measures torch's own cost of a call, which no backend can avoid; a
+    row's shm figure less this one is what shmdist costs."""
+    if "null" in dist.Backend.backend_list:
+        return
+
+    class _Done(dist.Work):
+        def wait(self, timeout=None):
+            return True
+
+    class NullProcessGroup(dist.ProcessGroup):
+        def __init__(self, rank, size):
+            super().__init__(rank, size)
+            self._done = _Done()
+
+        def getBackendName(self):
+            return "null"
+
+        def allreduce(self, tensors, opts=None):
+            return None
+
+        def barrier(self, opts=None):
+            return None
+
+        def broadcast(self, tensors, opts=None):
+            return None
+
+        def send(self, tensors, dst, tag):
+            return self._done
+
+        def recv(self, tensors, src, tag):
+            return self._done
+
+        def shutdown(self):
+            pass
+
+    dist.Backend.register_backend("null", lambda opts, _: NullProcessGroup(opts.group_rank, opts.group_size),
+                                  extended_api=True, devices=["cpu"])
+
+
 def _torch_rank(rank: int, world: int, port: int, backend: str, kind: str, out) -> None:
     import shmdist.torch  # noqa: F401
+    _register_null()
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     rows = {}
     if kind == "calls":
@@ -154,7 +199,8 @@ def _torch_rank(rank: int, world: int, port: int, backend: str, kind: str, out) 
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
         rows[f"DDP step, {world} ranks"] = _median_us(step, ROW_ITERS["ddp"])
-    dist.barrier()
+    if backend != "null":
+        dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         out.put(rows)
@@ -174,6 +220,10 @@ def _own_rank(rank: int, world: int, port: int, backend: str, kind: str, out) ->
                 shmdist.recv(buf, 0).wait()
                 shmdist.send(buf, 0).wait()
         rows[f"shmdist send/recv 8 B one way, {name}"] = _median_us(ping, ROW_ITERS["own"]) / 2
+    t = torch.zeros(2)      # what any view cache must read from a tensor on every call, and no more
+    rows["reading a tensor's address, shape, strides, dtype, requires_grad, negative bit"] = _median_us(
+        lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.requires_grad, t.is_neg()), ROW_ITERS["own"])
+    rows["torch tensor.numpy()"] = _median_us(t.numpy, ROW_ITERS["own"])
     shmdist.destroy_process_group()
     if rank == 0:
         out.put(rows)
@@ -206,7 +256,7 @@ def torch_path_rows(rounds: int = 3) -> dict:
         for row, value in rows.items():
             figures.setdefault(row, {}).setdefault(backend, []).append(value)
     for _ in range(rounds):
-        for backend in ("shm", "gloo"):
+        for backend in ("shm", "gloo", "null"):
             keep(backend, _job(_torch_rank, 2, backend, "calls"))
         keep("shmdist", _job(_own_rank, 2, "shm", "own"))
         for world in (2, 4):
@@ -222,12 +272,14 @@ def rows_table(figures: dict) -> str:
         if not values:
             return ""
         return f"{statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f})"
-    lines = ["| torch path, µs (median, range over rounds) | shm | gloo |", "|---|---|---|"]
+    lines = ["| torch path, µs (median, range over rounds) | shm | gloo | torch alone (backend \"null\") |",
+             "|---|---|---|---|"]
     for row, by in figures.items():
         if "shmdist" in by:
-            lines.append(f"| {row} | {cell(by['shmdist'])} | |")
+            lines.append(f"| {row} | {cell(by['shmdist'])} | | |")
         else:
-            lines.append(f"| {row} | {cell(by.get('shm', []))} | {cell(by.get('gloo', []))} |")
+            lines.append(f"| {row} | {cell(by.get('shm', []))} | {cell(by.get('gloo', []))} | "
+                         f"{cell(by.get('null', []))} |")
     return "\n".join(lines)
 
 

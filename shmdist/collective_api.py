@@ -130,17 +130,19 @@ def _copy_of(b):
 
 # ---------------------------------------------------------------- tensor collectives
 
-def barrier(group=None, async_op=False, device_ids=None):
-    """Return when every rank of the group has called barrier."""
+def barrier(group=None, async_op=False, device_ids=None, timeout=None):
+    """Return when every rank of the group has called barrier. ``timeout``
+    (seconds or a timedelta, as torch's): this call's limit instead of the group's."""
+    seconds = None if timeout is None else _g._seconds(timeout)
     if group is None and _g._barrier is not None:
         how = _g._barrier()               # the default group's whole barrier, when the others are there
-        if how > 0 or _g._world.default.coll.quick_barrier(_g._world.timeout, how):
+        if how > 0 or _g._world.default.coll.quick_barrier(seconds or _g._world.timeout, how):
             return completed("barrier", []) if async_op else None
     w, g, comm = _enter("barrier", group)
     if comm is None:
         return None
     with comm.lock:
-        comm.barrier(g.timeout)
+        comm.barrier(seconds or g.timeout)
     return _done("barrier", async_op, [])
 
 
@@ -163,9 +165,9 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     if quick and group is None and _g._lane is not None:    # the default group's, before any other work
         arr, name = tensor, None
         if tensor.__class__ is not np.ndarray:
-            arr, name = _g.fast_bf16(tensor), "bfloat16"   # first: fast_array would raise inside for it
+            arr = _g.fast_array(tensor)                    # None for bfloat16 (numpy has no such dtype)
             if arr is None:
-                arr, name = _g.fast_array(tensor), None
+                arr, name = _g.fast_bf16(tensor), "bfloat16"
         coll = _g._world.default.coll
         if name is not None and not getattr(coll, "quick_names", False):
             arr = None          # a comm whose quick path takes no dtype name (groups spanning hosts)

@@ -22,7 +22,7 @@ from shmdist.engine import Engine, dtype_field
 from shmdist.errors import DistError, DistMismatchError, DistNotInitializedError, DistPeerError
 from shmdist.request import DistributedRequest
 from shmdist.shm import ShmHost
-from shmdist.tensors import as_buf, is_torch_tensor
+from shmdist.tensors import as_buf, is_torch_tensor, numpy_view
 
 DEFAULT_TIMEOUT = 1800.0   # seconds, torch's default for CPU backends
 FAILED_INIT_LINGER = 3.0   # seconds the master keeps the store up after a failed init
@@ -459,8 +459,8 @@ _Tensor = None   # torch.Tensor, once the first torch tensor came: its plain CPU
 
 def fast_array(tensor) -> np.ndarray | None:
     """``tensor`` itself when it is a numpy array, a numpy view of a plain
-    torch CPU tensor (no autograd, no conjugate or negative bit, a dtype
-    numpy has), else None: what the fast paths may take."""
+    C-contiguous torch CPU tensor (no autograd, no conjugate or negative bit,
+    a dtype numpy has), else None: what the fast paths may take."""
     global _Tensor
     if tensor.__class__ is np.ndarray:
         return tensor
@@ -473,8 +473,8 @@ def fast_array(tensor) -> np.ndarray | None:
     if tensor.requires_grad:
         return None
     try:
-        return tensor.numpy()
-    except (RuntimeError, TypeError, ValueError):   # another device or layout, conj, bfloat16...
+        return numpy_view(tensor)                   # tensor.numpy()'s view, cached (shmdist.tensors)
+    except (RuntimeError, TypeError, ValueError):   # data_ptr() of a layout that has none
         return None
 
 

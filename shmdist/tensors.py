@@ -5,6 +5,7 @@ torch is imported only when a torch tensor actually arrives, so that
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import sys
 
@@ -152,3 +153,62 @@ def typed_view(buf: Buf) -> np.ndarray | None:
         return flat.numpy()
     except (TypeError, RuntimeError):
         return None
+
+
+# ---------------------------------------------------------------- numpy views of torch tensors, cached
+
+_VIEWS: dict = {}   # data_ptr -> (shape, strides, torch dtype, numpy view of exactly that memory)
+_MAX_VIEWS = 64
+_NUMPY_OF: dict = {}   # torch dtype -> numpy dtype, for the dtypes numpy has
+_COMPLEX: tuple = ()
+
+
+def _numpy_dtypes(torch) -> None:
+    global _COMPLEX
+    for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                 "uint32", "uint64", "bool", "complex64", "complex128"):
+        if hasattr(torch, name):
+            _NUMPY_OF[getattr(torch, name)] = np.dtype(name)
+    _COMPLEX = (torch.complex64, torch.complex128)
+
+
+def numpy_view(t) -> np.ndarray | None:
+    """A numpy view of a plain C-contiguous CPU torch tensor's memory (what
+    ``t.numpy()`` gives), else None (another device or layout, a conjugate
+    or negative bit, a dtype numpy lacks such as bfloat16, not contiguous,
+    empty): what the fast paths take.
+
+    The view is made here, not by ``t.numpy()``: that call costs about as
+    much as all the rest of an 8-byte send, and it marks the tensor's storage
+    as not resizable (torch's rule for memory numpy shares), so a tensor
+    once sent could no longer be resized, which gloo does not do. The view
+    is kept, under what it is a view of: the address of the first element,
+    the shape, the strides and the dtype, all read from the tensor on every
+    call. A tensor changed in place (``set_``, ``resize_``, ``as_strided_``,
+    ``.data = ...``) or another tensor has another layout unless it has
+    exactly the same memory and layout, and then the kept view is exactly
+    right: a view does not own its memory (it holds no tensor or storage, so
+    the cache keeps nothing alive) and is only handed to a caller that
+    holds a tensor with that memory, for the duration of a call (a pending
+    receive keeps its tensor). A tensor with the negative (or, complex, the
+    conjugate) bit set is never served from the cache."""
+    ptr = t.data_ptr()
+    kept = _VIEWS.get(ptr)
+    if kept is not None and kept[2] is t.dtype and kept[0] == t.shape and kept[1] == t.stride() \
+            and not t.is_neg() and (kept[2] not in _COMPLEX or not t.is_conj()):
+        return kept[3]
+    torch = sys.modules["torch"]
+    if not _NUMPY_OF:
+        _numpy_dtypes(torch)
+    dtype = _NUMPY_OF.get(t.dtype)
+    if dtype is None or t.layout is not torch.strided or not t.is_cpu or t.is_neg() or t.is_conj() \
+            or not t.is_contiguous() or ptr == 0:
+        return None
+    nbytes = t.numel() * dtype.itemsize
+    if nbytes == 0:
+        return None
+    view = np.ndarray(tuple(t.shape), dtype, buffer=(ctypes.c_char * nbytes).from_address(ptr))
+    if len(_VIEWS) >= _MAX_VIEWS:
+        _VIEWS.clear()
+    _VIEWS[ptr] = (t.shape, t.stride(), t.dtype, view)
+    return view

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import shmdist
 from shmdist import collective_api as api
 from shmdist import group as groups, rendezvous, trace
-from shmdist.errors import DistError, DistPeerError, DistTimeoutError
+from shmdist.errors import DistError, DistTimeoutError
 from shmdist.reduce_ops import ReduceOp
 
 BACKEND = "shm"
@@ -57,6 +57,7 @@ _Options = frozenset((_C10D.AllreduceOptions, _C10D.AllreduceCoalescedOptions, _
             _C10D.ReduceOptions, _C10D.AllgatherOptions, _C10D.GatherOptions, _C10D.ScatterOptions,
             _C10D.ReduceScatterOptions, _C10D.AllToAllOptions, _C10D.BarrierOptions))
 _AllreduceOptions = dist.AllreduceOptions
+_BarrierOptions = dist.BarrierOptions
 _OPS_BY_VALUE = {red.value: op for red, op in _OPS.items()}
 _LOCAL = {red.value: fn for red, fn in _LOCAL.items()}
 _SUM = _Red.SUM
@@ -78,6 +79,14 @@ def _timed_out(e: DistTimeoutError) -> DistTimeoutError:
     out = DistTimeoutError(worded)
     out.__cause__ = e.__cause__
     return out
+
+
+def _at_least(timeout):
+    """A per-call timeout as shmdist takes it: 0 (torch's "do not wait") as the least wait."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    return 1e-6 if seconds == 0 else timeout
 
 
 class ShmWork(dist.Work):
@@ -509,16 +518,30 @@ class ShmProcessGroup(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def barrier(self, opts=None, timeout=None):
+        """``dist.barrier(timeout=...)`` puts its timeout in ``opts.timeout``
+        (unset: negative); that call then waits that long, not the group's timeout."""
         try:
-            api.barrier(self._g)
+            if opts.__class__ is _BarrierOptions:
+                limit = opts.timeout                    # unset: negative
+                limit = timeout if limit < _NO_WAIT else _at_least(limit)
+            else:
+                limit = _at_least(timeout)
+            api.barrier(self._g, timeout=limit)
             return self._work(opts, [])
         except DistTimeoutError as e:
             raise _timed_out(e) from None
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
-        """A barrier; one that times out names the ranks it waited for.
-        (torch.distributed.monitored_barrier itself accepts gloo groups only.)"""
-        self.barrier()
+        """A barrier that waits ``timeout`` (a timedelta or seconds; 0: no
+        wait; the group's timeout when None); one that times out says so as
+        gloo's does ("Rank R timed out in monitoredBarrier") and names every
+        rank it waited for, whatever ``wait_all_ranks`` says.
+        (torch.distributed.monitored_barrier itself accepts gloo groups only;
+        this is the method on the group.)"""
+        try:
+            self.barrier(timeout=timeout)
+        except DistTimeoutError as e:
+            raise DistTimeoutError(f"Rank {self._me} timed out in monitoredBarrier: {e}") from None
 
     # ------------------------------------------------------------ point to point
 
@@ -564,7 +587,8 @@ class ShmProcessGroup(dist.ProcessGroup):
         The default group first passes a barrier: rank 0's process serves
         torch's rendezvous store, and a rank that exits right after this call
         must not take the store away from peers still setting up. A peer that
-        already died or left does not stop the shutdown."""
+        already died or left, or a timeout that left the group unusable,
+        does not stop the shutdown."""
         g = self._group
         if g.destroyed:
             return
@@ -573,8 +597,8 @@ class ShmProcessGroup(dist.ProcessGroup):
             return
         try:
             api.barrier(g)
-        except DistPeerError:
-            pass     # a peer exited or died: there is no one left to wait for
+        except DistError:
+            pass     # a peer exited or died, or a timeout broke the group: leave all the same
         finally:
             shmdist.destroy_process_group()
 

@@ -17,13 +17,16 @@ touched; tests gated on ``BACKEND == "gloo"`` by name stay skipped on "shm"
 unless SHMDIST_SUITE_GATES=gloo.
 
 ``--runnable`` lists the tests that the skip conditions evaluated at import
-let run. Run as a script, it prints one line per test and then a JSON summary line
+let run. Run as a script, it prints a line ``RESULT {name: [outcome, seconds,
+detail]}`` as each test ends, and then a JSON summary line
 ``SUMMARY {...}`` with the names that passed, failed (with the first lines of
 the error) and were skipped (with the reason); tests/test_torch_suite.py reads it.
 """
 from __future__ import annotations
 
 import json
+import multiprocessing
+import multiprocessing.context
 import os
 import sys
 import tempfile
@@ -71,10 +74,41 @@ from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
 )
 
 
+# SHMDIST_SUITE_START=forkserver: each test's ranks are forked from one server
+# process that imported this module (torch, torch's test file, shmdist) once and
+# made no process group, instead of 2-3 fresh interpreters per test importing
+# torch again (seconds each on a loaded 2-core machine). A rank starts as clean
+# as a spawned one: nothing of the test runner's process is inherited.
+START = os.environ.get("SHMDIST_SUITE_START", "spawn")
+
+
+class _ForkserverRank(multiprocessing.context.ForkServerProcess):
+    """A rank forked from the server, with the environment of the test that
+    starts it (torch's setUp makes a fresh TEMP_DIR per test; the server's
+    environment is the first test's)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._environ = dict(os.environ)
+
+    def run(self):
+        os.environ.clear()
+        os.environ.update(self._environ)
+        super().run()
+
+
+def _forkserver():
+    multiprocessing.set_forkserver_preload(["__main__"])
+    return _ForkserverRank
+
+
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self):
         super().setUp()
-        self._spawn_processes()
+        if START == "forkserver":
+            self._start_processes(_forkserver())
+        else:
+            self._spawn_processes()
         torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
 
     @classmethod
@@ -108,6 +142,8 @@ class _Recorder(unittest.TextTestResult):
     def _put(self, test, outcome, detail=""):
         name = test.id().split(".")[-1]
         self.outcomes[name] = [outcome, round(time.monotonic() - self._start, 2), detail]
+        # as each test ends, so that a run stopped part way still says what it did
+        print("RESULT " + json.dumps({name: self.outcomes[name]}), flush=True)
 
     def addSuccess(self, test):
         super().addSuccess(test)
