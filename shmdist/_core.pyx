@@ -15,20 +15,13 @@ from shmdist._core cimport (sd_load64, sd_store64, sd_load32, sd_store32, sd_add
                             sd_fence, sd_relax, sd_futex_wait, sd_futex_wake, sd_yield, sd_cma_read,
                             sd_copy_nt, sd_reduce_half, sd_half_level, sd_half_set_limit)
 
-# Layout of a per-process control block (CTL_BYTES each, in the job segment).
+include "_layout.pxi"     # every layout and code shared with Python (generated from layout.py)
+
 cdef enum:
-    _PID = 0          # uint32: pid of the owner
-    _CLOSED = 4       # uint32: 1 once the owner left the group cleanly
-    _BELL = 64        # uint32: doorbell sequence, bumped by anyone with news for the owner
-    _SLEEPING = 128   # uint32: number of owner threads asleep on the doorbell
-    _CAUSE = 136      # bytes: why the owner left, NUL-padded (written before _CLOSED)
-    _HDR = 128        # bytes of one message header in a ring
     NOGIL_COPY = 65536  # copies at least this big drop the GIL
     SLICE = 131072      # a ring publishes its index after each slice this big
-CTL_BYTES = 256
+CTL_BYTES = SD_CTL_BYTES
 
-# Payloads of at least this many bytes are received with streaming stores
-# (see sd_copy_nt); set from shm.py at import, SHMDIST_STREAM_BYTES overrides.
 cdef uint64_t stream_min = 16 << 20
 
 
@@ -36,12 +29,17 @@ def set_stream_min(uint64_t nbytes):
     """Receive payloads of at least ``nbytes`` with streaming stores (0: never)."""
     global stream_min
     stream_min = nbytes if nbytes else <uint64_t>-1
-HEADER_BYTES = _HDR
-RING_CTL_BYTES = 4096 # head and tail of a ring, each on its own cache line
+HEADER_BYTES = SD_HEADER_BYTES
+RING_CTL_BYTES = SD_RING_CTL_BYTES
 
 
 cdef inline uint32_t *_u32(size_t addr) noexcept nogil:
     return <uint32_t *>addr
+
+
+cdef inline uint64_t _record(uint64_t nbytes) noexcept nogil:
+    """Bytes one message of ``nbytes`` payload occupies in a ring (layout.record_bytes)."""
+    return SD_HEADER_BYTES + ((nbytes + SD_RECORD_ALIGN - 1) & ~(<uint64_t>(SD_RECORD_ALIGN - 1)))
 
 
 def buffer_address(obj, bint writable=False):
@@ -64,13 +62,13 @@ def buffer_address(obj, bint writable=False):
 
 # ---------------------------------------------------------------- doorbells
 
-CAUSE_BYTES = CTL_BYTES - _CAUSE
+CAUSE_BYTES = SD_CAUSE_BYTES
 
 
 def ctl_set_pid(size_t ctl, uint32_t pid):
-    sd_store32(_u32(ctl + _PID), pid)
-    memset(<void *>(ctl + _CAUSE), 0, CAUSE_BYTES)
-    sd_store32(_u32(ctl + _CLOSED), 0)
+    sd_store32(_u32(ctl + SD_CTL_PID), pid)
+    memset(<void *>(ctl + SD_CTL_CAUSE), 0, CAUSE_BYTES)
+    sd_store32(_u32(ctl + SD_CTL_CLOSED), 0)
 
 
 def ctl_close(size_t ctl, bytes cause=b""):
@@ -78,25 +76,25 @@ def ctl_close(size_t ctl, bytes cause=b""):
     CAUSE_BYTES; "" for a plain destroy). The store that marks it comes
     last, so a peer that sees it closed reads the whole cause."""
     cdef Py_ssize_t n = min(len(cause), CAUSE_BYTES)
-    memset(<void *>(ctl + _CAUSE), 0, CAUSE_BYTES)
-    memcpy(<void *>(ctl + _CAUSE), PyBytes_AS_STRING(cause), n)
-    sd_store32(_u32(ctl + _CLOSED), 1)
+    memset(<void *>(ctl + SD_CTL_CAUSE), 0, CAUSE_BYTES)
+    memcpy(<void *>(ctl + SD_CTL_CAUSE), PyBytes_AS_STRING(cause), n)
+    sd_store32(_u32(ctl + SD_CTL_CLOSED), 1)
 
 
 def ctl_closed(size_t ctl):
-    return sd_load32(_u32(ctl + _CLOSED)) != 0
+    return sd_load32(_u32(ctl + SD_CTL_CLOSED)) != 0
 
 
 def ctl_cause(size_t ctl):
     """What the owner wrote as its cause when it closed (b"" if none)."""
-    cdef bytes raw = PyBytes_FromStringAndSize(<char *>(ctl + _CAUSE), CAUSE_BYTES)
+    cdef bytes raw = PyBytes_FromStringAndSize(<char *>(ctl + SD_CTL_CAUSE), CAUSE_BYTES)
     return raw.split(b"\0", 1)[0]
 
 
 cdef inline void _ring_bell(size_t ctl) noexcept nogil:
-    sd_add32(_u32(ctl + _BELL), 1)
-    if sd_load32(_u32(ctl + _SLEEPING)):
-        sd_futex_wake(_u32(ctl + _BELL), 0x7fffffff)
+    sd_add32(_u32(ctl + SD_CTL_BELL), 1)
+    if sd_load32(_u32(ctl + SD_CTL_SLEEPING)):
+        sd_futex_wake(_u32(ctl + SD_CTL_BELL), 0x7fffffff)
 
 
 def ring_bell(size_t ctl):
@@ -106,7 +104,7 @@ def ring_bell(size_t ctl):
 
 
 def bell_value(size_t ctl):
-    return sd_load32(_u32(ctl + _BELL))
+    return sd_load32(_u32(ctl + SD_CTL_BELL))
 
 
 cdef int _wait_bell(uint32_t *bell, uint32_t *sleeping, uint32_t seen,
@@ -139,7 +137,7 @@ def wait_bell(size_t ctl, uint32_t seen, long spin, long yields, double timeout)
     cdef int r
     cdef long ns = <long>(timeout * 1e9)
     with nogil:
-        r = _wait_bell(_u32(ctl + _BELL), _u32(ctl + _SLEEPING), seen, spin, yields, ns)
+        r = _wait_bell(_u32(ctl + SD_CTL_BELL), _u32(ctl + SD_CTL_SLEEPING), seen, spin, yields, ns)
     return r
 
 
@@ -188,10 +186,10 @@ cdef class Ring:
     cdef uint64_t cached_tail   # what the producer last saw
 
     def __cinit__(self, size_t ctl_addr, size_t data_addr, uint64_t size, size_t other_ctl):
-        if size == 0 or (size & (size - 1)) != 0 or size < 4096:
-            raise ValueError(f"ring size must be a power of two >= 4096, got {size}")
-        self.head = <uint64_t *>ctl_addr
-        self.tail = <uint64_t *>(ctl_addr + 128)
+        if size == 0 or (size & (size - 1)) != 0 or size < SD_RING_MIN_BYTES:
+            raise ValueError(f"ring size must be a power of two >= {SD_RING_MIN_BYTES}, got {size}")
+        self.head = <uint64_t *>(ctl_addr + SD_RING_HEAD)
+        self.tail = <uint64_t *>(ctl_addr + SD_RING_TAIL)
         self.data = <uint8_t *>data_addr
         self.size = size
         self.mask = size - 1
@@ -235,14 +233,14 @@ cdef class Ring:
                 if free == 0:
                     break
             end = pos + min(free, SLICE, total - pos)
-            if pos < _HDR:
-                upto = min(end, <uint64_t>_HDR)
+            if pos < SD_HEADER_BYTES:
+                upto = min(end, <uint64_t>SD_HEADER_BYTES)
                 self._put(h, hdr + pos, upto - pos)
                 h += upto - pos
                 pos = upto
-            if pos < end and pos < _HDR + nbytes:
-                upto = min(end, _HDR + nbytes)
-                self._put(h, src + pos - _HDR, upto - pos)
+            if pos < end and pos < SD_HEADER_BYTES + nbytes:
+                upto = min(end, SD_HEADER_BYTES + nbytes)
+                self._put(h, src + pos - SD_HEADER_BYTES, upto - pos)
                 h += upto - pos
                 pos = upto
             h += end - pos          # padding: nothing to copy
@@ -263,14 +261,14 @@ cdef class Ring:
                 if avail == 0:
                     break
             end = pos + min(avail, SLICE, total - pos)
-            if pos < _HDR:          # the header itself, already read by peek
-                upto = min(end, <uint64_t>_HDR)
+            if pos < SD_HEADER_BYTES:          # the header itself, already read by peek
+                upto = min(end, <uint64_t>SD_HEADER_BYTES)
                 t += upto - pos
                 pos = upto
-            if pos < end and pos < _HDR + nbytes:
-                upto = min(end, _HDR + nbytes)
+            if pos < end and pos < SD_HEADER_BYTES + nbytes:
+                upto = min(end, SD_HEADER_BYTES + nbytes)
                 if dst != NULL:
-                    self._get(t, dst + pos - _HDR, upto - pos, nbytes >= stream_min)
+                    self._get(t, dst + pos - SD_HEADER_BYTES, upto - pos, nbytes >= stream_min)
                 t += upto - pos
                 pos = upto
             t += end - pos
@@ -287,7 +285,7 @@ cdef class Ring:
         each, for as long as the consumer makes room. Returns the new
         offset; the record is complete when it equals ``record_bytes(nbytes)``.
         """
-        cdef uint64_t total = _HDR + ((nbytes + 63) & ~(<uint64_t>63))
+        cdef uint64_t total = _record(nbytes)
         cdef const uint8_t *hdr = <const uint8_t *>PyBytes_AS_STRING(header)
         cdef const uint8_t *src = <const uint8_t *>addr
         cdef uint64_t p = pos
@@ -302,30 +300,30 @@ cdef class Ring:
         header says (tag, group, byte count, dtype): copy the payload to
         ``addr`` and return 1. Return 0 when no complete record is there,
         -1 when the next record is another one (the caller then reads the
-        header itself). Header layout: engine.HDR."""
+        header itself). Header layout: layout.HEADER."""
         return self._take(tag, gid, addr, nbytes, PyBytes_AS_STRING(dtype16))
 
     cdef int _take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, const char *dtype16):
         cdef uint64_t t = sd_load64(self.tail)
-        cdef uint64_t total = _HDR + ((nbytes + 63) & ~(<uint64_t>63))
-        cdef uint8_t hdr[_HDR]
+        cdef uint64_t total = _record(nbytes)
+        cdef uint8_t hdr[SD_HEADER_BYTES]
         cdef int64_t htag, hgid
         cdef uint64_t hbytes
         if self.cached_head - t < total:
             self.cached_head = sd_load64(self.head)
             if self.cached_head - t < total:
                 return 0
-        self._get(t, hdr, _HDR)
-        memcpy(&htag, hdr + 8, 8)
-        memcpy(&hgid, hdr + 16, 8)
-        memcpy(&hbytes, hdr + 32, 8)
-        if htag != tag or hgid != gid or hbytes != nbytes or memcmp(hdr + 40, dtype16, 16):
+        self._get(t, hdr, SD_HEADER_BYTES)
+        memcpy(&htag, hdr + SD_HDR_TAG, 8)
+        memcpy(&hgid, hdr + SD_HDR_GID, 8)
+        memcpy(&hbytes, hdr + SD_HDR_NBYTES, 8)
+        if htag != tag or hgid != gid or hbytes != nbytes or memcmp(hdr + SD_HDR_DTYPE, dtype16, SD_DTYPE_BYTES):
             return -1
         if nbytes < NOGIL_COPY:
-            self._get(t + _HDR, <uint8_t *>addr, nbytes)
+            self._get(t + SD_HEADER_BYTES, <uint8_t *>addr, nbytes)
         else:
             with nogil:
-                self._get(t + _HDR, <uint8_t *>addr, nbytes, nbytes >= stream_min)
+                self._get(t + SD_HEADER_BYTES, <uint8_t *>addr, nbytes, nbytes >= stream_min)
         sd_store64(self.tail, t + total)
         _ring_bell(self.other_ctl)
         return 1
@@ -333,12 +331,12 @@ cdef class Ring:
     def peek(self):
         """The next record's header, or None when it has not arrived."""
         cdef uint64_t t = sd_load64(self.tail)
-        if self.cached_head - t < _HDR:
+        if self.cached_head - t < SD_HEADER_BYTES:
             self.cached_head = sd_load64(self.head)
-            if self.cached_head - t < _HDR:
+            if self.cached_head - t < SD_HEADER_BYTES:
                 return None
-        out = PyBytes_FromStringAndSize(NULL, _HDR)
-        self._get(t, <uint8_t *>PyBytes_AS_STRING(out), _HDR)
+        out = PyBytes_FromStringAndSize(NULL, SD_HEADER_BYTES)
+        self._get(t, <uint8_t *>PyBytes_AS_STRING(out), SD_HEADER_BYTES)
         return out
 
     def pull(self, size_t addr, size_t nbytes, size_t pos):
@@ -349,7 +347,7 @@ cdef class Ring:
         for as long as the producer keeps writing, and returns the new
         offset; complete at ``record_bytes(nbytes)``.
         """
-        cdef uint64_t total = _HDR + ((nbytes + 63) & ~(<uint64_t>63))
+        cdef uint64_t total = _record(nbytes)
         cdef uint8_t *dst = <uint8_t *>addr
         cdef uint64_t p = pos
         if total - p < NOGIL_COPY:
@@ -361,7 +359,7 @@ cdef class Ring:
 
 def record_bytes(size_t nbytes):
     """Bytes one message of ``nbytes`` payload occupies in a ring."""
-    return _HDR + ((nbytes + 63) & ~63)
+    return _record(nbytes)
 
 
 # ---------------------------------------------------------------- phases
@@ -374,8 +372,7 @@ cdef inline int _all_reached(const uint8_t *flags, size_t stride, int n, uint64_
     return 1
 
 
-cdef size_t[6] _ITEMSIZE = [4, 8, 4, 8, 2, 2]    # bytes of reduce_rows' kinds
-KIND_BFLOAT16, KIND_FLOAT16 = 4, 5               # the 16-bit kinds: float32 sums, one rounding (_half.h)
+KIND_BFLOAT16, KIND_FLOAT16 = SD_KIND_BFLOAT16, SD_KIND_FLOAT16   # float32 sums, one rounding (_half.h)
 _BF16_PLAN = (KIND_BFLOAT16, b"bfloat16")
 import numpy as _np
 _F16 = _np.dtype("float16")
@@ -402,13 +399,13 @@ cdef void _reduce_parts(_num *out, const size_t *ins, int n, size_t count, int o
         memcpy(out, a, count * sizeof(_num))
     for j in range(1, n):
         b = <const _num *>ins[j]
-        if op == 0:
+        if op == SD_OP_SUM:
             for i in range(count):
                 out[i] = a[i] + b[i]
-        elif op == 1:
+        elif op == SD_OP_PRODUCT:
             for i in range(count):
                 out[i] = a[i] * b[i]
-        elif op == 2:
+        elif op == SD_OP_MIN:
             for i in range(count):
                 out[i] = b[i] if b[i] < a[i] else a[i]
         else:
@@ -419,20 +416,27 @@ cdef void _reduce_parts(_num *out, const size_t *ins, int n, size_t count, int o
 
 cdef inline size_t _part_start(size_t count, int n, int j) noexcept nogil:
     """Where part j starts when ``count`` elements are split into n parts as
-    collectives._parts does (the first count % n parts one longer)."""
+    layout.parts does (the first count % n parts one longer)."""
     cdef size_t base = count // n, rem = count % n
     return j * base + (j if <size_t>j < rem else rem)
 
 
+def part_start(size_t count, int n, int j):
+    """Where the C rounds start part j of ``count`` elements split in n
+    (for the test that it is layout.parts)."""
+    return _part_start(count, n, j)
+
+
 cdef void _reduce_parts_kind(int kind, int op, size_t out, const size_t *ins, int n,
                              size_t count) noexcept nogil:
-    if kind >= 4:       # bfloat16, float16: op 0 SUM, 1 PRODUCT, 7 AVG (the sum divided by n)
-        sd_reduce_half(kind - 4, op, <uint16_t *>out, <const uint16_t *const *>ins, n, count, <float>n)
-    elif kind == 0:
+    if kind >= SD_KIND_BFLOAT16:    # bfloat16, float16: SUM, PRODUCT, AVG (the sum divided by n)
+        sd_reduce_half(kind == SD_KIND_FLOAT16, op, <uint16_t *>out, <const uint16_t *const *>ins, n, count,
+                       <float>n)
+    elif kind == SD_KIND_FLOAT32:
         _reduce_parts[float](<float *>out, ins, n, count, op)
-    elif kind == 1:
+    elif kind == SD_KIND_FLOAT64:
         _reduce_parts[double](<double *>out, ins, n, count, op)
-    elif kind == 2:
+    elif kind == SD_KIND_INT32:
         _reduce_parts[int32_t](<int32_t *>out, ins, n, count, op)
     else:
         _reduce_parts[int64_t](<int64_t *>out, ins, n, count, op)
@@ -492,7 +496,7 @@ def reduce_half(out, inputs, int op, str dtype, int count):
         f16 = 1
     else:
         return False
-    if op not in (0, 1, 7) or n < 1 or n > 64 or count < 1:
+    if op not in (SD_OP_SUM, SD_OP_PRODUCT, SD_OP_AVG) or n < 1 or n > 64 or count < 1:
         return False
     try:
         PyObject_GetBuffer(out, &ov, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
@@ -527,8 +531,8 @@ def wait_phase(size_t flags, size_t stride, int n, uint64_t target, size_t ctl,
     ``flags``) is at least ``target``. Spins, yields, then sleeps on this
     process's doorbell for at most ``timeout`` seconds. True when reached."""
     cdef const uint8_t *f = <const uint8_t *>flags
-    cdef uint32_t *bell = _u32(ctl + _BELL)
-    cdef uint32_t *sleeping = _u32(ctl + _SLEEPING)
+    cdef uint32_t *bell = _u32(ctl + SD_CTL_BELL)
+    cdef uint32_t *sleeping = _u32(ctl + SD_CTL_SLEEPING)
     cdef long i
     cdef long ns = <long>(timeout * 1e9)
     cdef uint32_t seen
@@ -664,7 +668,6 @@ cdef extern from "Python.h":
     long PyLong_AsLong(object o) except? -1
     long long PyLong_AsLongLongAndOverflow(object o, int *overflow) except? -1
 
-cdef uint32_t _MAGIC = 0x444D4853   # "SHMD", engine.MAGIC; version 1 follows it
 
 
 cdef enum:
@@ -758,18 +761,20 @@ cdef class Lane:
         cdef int64_t zero = 0, d
         cdef int32_t src = self.rank
         cdef uint64_t nbytes = view.len
-        memset(hdr, 0, _HDR)
-        memcpy(hdr, &_MAGIC, 4)
-        hdr[4] = 1
-        hdr[6] = <uint8_t>view.ndim
-        memcpy(hdr + 8, &tag, 8)
-        memcpy(hdr + 16, &zero, 8)
-        memcpy(hdr + 24, &src, 4)
-        memcpy(hdr + 32, &nbytes, 8)
-        memcpy(hdr + 40, PyBytes_AS_STRING(dtype16), 16)
+        cdef uint32_t magic = SD_MAGIC
+        cdef uint16_t version = SD_VERSION, ndim = <uint16_t>view.ndim
+        memset(hdr, 0, SD_HEADER_BYTES)
+        memcpy(hdr + SD_HDR_MAGIC, &magic, 4)
+        memcpy(hdr + SD_HDR_VERSION, &version, 2)
+        memcpy(hdr + SD_HDR_NDIM, &ndim, 2)
+        memcpy(hdr + SD_HDR_TAG, &tag, 8)
+        memcpy(hdr + SD_HDR_GID, &zero, 8)
+        memcpy(hdr + SD_HDR_SRC, &src, 4)
+        memcpy(hdr + SD_HDR_NBYTES, &nbytes, 8)
+        memcpy(hdr + SD_HDR_DTYPE, PyBytes_AS_STRING(dtype16), SD_DTYPE_BYTES)
         for i in range(view.ndim):
             d = view.shape[i]
-            memcpy(hdr + 56 + 8 * i, &d, 8)
+            memcpy(hdr + SD_HDR_DIMS + 8 * i, &d, 8)
         return 0
 
     cdef Ring _args(self, arr, peer, tag, list chans):
@@ -802,7 +807,7 @@ cdef class Lane:
         cdef int64_t t
         cdef bytes dtype16 = None
         cdef Py_buffer view
-        cdef uint8_t hdr[_HDR]
+        cdef uint8_t hdr[SD_HEADER_BYTES]
         cdef uint64_t total, free, h
         cdef DistributedRequest req
         ring = self._args(arr, dst, tag, self.outs)
@@ -814,9 +819,9 @@ cdef class Lane:
         except (BufferError, ValueError):
             return None         # not contiguous: the general path sends a contiguous copy
         try:
-            if view.ndim > 8:
+            if view.ndim > SD_MAX_DIMS:
                 return None
-            total = _HDR + ((<uint64_t>view.len + 63) & ~(<uint64_t>63))
+            total = _record(<uint64_t>view.len)
             if total > ring.size:
                 return None
             self._header(hdr, &view, t, dtype16)
@@ -872,7 +877,7 @@ cdef class Lane:
             PyObject_GetBuffer(arr, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
         except (BufferError, ValueError):
             return None         # read-only or not contiguous: the general path says or handles it
-        addr, total = <size_t>view.buf, _HDR + ((<uint64_t>view.len + 63) & ~(<uint64_t>63))
+        addr, total = <size_t>view.buf, _record(<uint64_t>view.len)
         nbytes = view.len
         PyBuffer_Release(&view)
         if total > SLICE:       # bigger ones are copied out slice by slice as they arrive
@@ -1004,7 +1009,7 @@ cdef class Lane:
         finally:
             self.release()
         if not self.sendq:
-            total = _HDR + ((first.nbytes + 63) & ~(<uint64_t>63))
+            total = _record(first.nbytes)
             t = sd_load64(first.ring.tail)
             with nogil:
                 for i in range(spin):
@@ -1075,7 +1080,7 @@ cdef class Phaser:
     @property
     def desc_at(self):
         """Offset in a control slot of the descriptor of the last call."""
-        return 64 + 64 * ((self.calls - 1) % 2)
+        return SD_SLOT_DESC + SD_DESC_BYTES * ((self.calls - 1) % 2)
 
     cdef int _enter(self, const char *desc, size_t nd) except -2:
         cdef uint8_t *mine = <uint8_t *>(self.flags + self.me * self.stride)
@@ -1086,7 +1091,7 @@ cdef class Phaser:
         cdef int done = 0, n = self.n
         cdef uint64_t target
         if desc != NULL:
-            at = 64 + 64 * (self.calls % 2)
+            at = SD_SLOT_DESC + SD_DESC_BYTES * (self.calls % 2)
             self.calls += 1
             memcpy(mine + at, desc, nd)
         self.phase += 1
@@ -1094,9 +1099,9 @@ cdef class Phaser:
         sd_store64(<uint64_t *>mine, target)
         sd_fence()
         for i in range(self.nothers):
-            if sd_load32(_u32(<size_t>self.others[i] + _SLEEPING)):
-                sd_add32(_u32(<size_t>self.others[i] + _BELL), 1)
-                sd_futex_wake(_u32(<size_t>self.others[i] + _BELL), 0x7fffffff)
+            if sd_load32(_u32(<size_t>self.others[i] + SD_CTL_SLEEPING)):
+                sd_add32(_u32(<size_t>self.others[i] + SD_CTL_BELL), 1)
+                sd_futex_wake(_u32(<size_t>self.others[i] + SD_CTL_BELL), 0x7fffffff)
         with nogil:
             for k in range(spin):
                 if _all_reached(f, self.stride, n, target):
@@ -1146,7 +1151,7 @@ cdef class Phaser:
             how = self._enter(desc, nd)
             if how > 0 and data != NULL:
                 _reduce_kind(kind, op, <size_t>data, self.bufs + parity * self.slot, 2 * self.slot,
-                             self.n, nbytes // _ITEMSIZE[kind])
+                             self.n, nbytes // sd_kind_itemsize[kind])
         except BaseException:
             self.release()
             raise
@@ -1169,9 +1174,9 @@ cdef class Phaser:
             return None
         kind, name = plan
         code = PyLong_AsLong(op)
-        if kind >= 4:       # the 16-bit floats: SUM, PRODUCT, AVG
-            return (kind, code, name) if code in (0, 1, 7) else None
-        if code < 0 or code > 3 or (code >= 2 and kind <= 1):
+        if kind >= SD_KIND_BFLOAT16:       # the 16-bit floats: SUM, PRODUCT, AVG
+            return (kind, code, name) if code in (SD_OP_SUM, SD_OP_PRODUCT, SD_OP_AVG) else None
+        if code < SD_OP_SUM or code > SD_OP_MAX or (code >= SD_OP_MIN and kind <= SD_KIND_FLOAT64):
             return None
         return kind, code, name
 
@@ -1182,12 +1187,12 @@ cdef class Phaser:
         done. -3: it does not qualify (or is over ``most`` bytes), nothing
         done; -2, 0 and -1 as for _call, the data already in place: the
         caller finishes with reduce_rows on buffers of parity (phase - 1) % 2.
-        The descriptor is the one collectives._DESC packs for it.
+        The descriptor is the one layout.pack_desc packs for it.
         ``dtype_name``: "bfloat16" for a uint16 array of bfloat16 bits."""
         cdef Py_buffer view
         cdef long code
         cdef int kind
-        cdef uint64_t desc[8]
+        cdef uint64_t desc[SD_DESC_WORDS]
         cdef bytes name
         plan = self.plan(arr.dtype, op, dtype_name)
         if plan is None:
@@ -1200,12 +1205,12 @@ cdef class Phaser:
         try:
             if <size_t>view.len > most:
                 return -3
-            memset(desc, 0, sizeof(desc))      # "<QQQqq16sQ": 0, kind, bytes, op, root, dtype, extra
-            desc[1] = self.all_reduce_index
-            desc[2] = view.len
-            desc[3] = <uint64_t>code
-            desc[4] = <uint64_t>(<int64_t>-1)
-            memcpy(&desc[5], PyBytes_AS_STRING(name), min(<size_t>len(name), 16))
+            memset(desc, 0, sizeof(desc))      # layout.DESC: 0, kind, bytes, op, root, dtype, extra
+            desc[SD_DESC_KIND // 8] = self.all_reduce_index
+            desc[SD_DESC_NBYTES // 8] = view.len
+            desc[SD_DESC_OP // 8] = <uint64_t>code
+            desc[SD_DESC_ROOT // 8] = <uint64_t>(<int64_t>-1)
+            memcpy(<char *>desc + SD_DESC_DTYPE, PyBytes_AS_STRING(name), min(<size_t>len(name), SD_DTYPE_BYTES))
             return self._call(<const char *>desc, sizeof(desc), view.buf, view.len, kind, code)
         finally:
             PyBuffer_Release(&view)
@@ -1223,7 +1228,7 @@ cdef class Phaser:
         phase passed and the descriptors differ. Otherwise the round whose
         phase this member entered but the others have not: the caller waits
         for them and calls again from that round with ``resume``."""
-        cdef size_t isz = _ITEMSIZE[kind]
+        cdef size_t isz = sd_kind_itemsize[kind]
         cdef size_t rounds = (count + per_round - 1) // per_round
         cdef int n = self.n, me = self.me, j, how
         cdef size_t lo, plo, chunk, s, length, b, out

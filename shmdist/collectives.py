@@ -20,21 +20,19 @@ computing garbage, and the group stays usable.
 from __future__ import annotations
 
 import os
-import struct
 import threading
 import time
 
 import numpy as np
 
-from shmdist import _core, segment
+from shmdist import _core, layout, segment
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
 from shmdist.reduce_ops import ReduceOp, reduce_into, reduce_rows
 from shmdist.tensors import describe
 
-CTL_STRIDE = 256                      # per member: phase u64 at 0, descriptors at 64 and 128
-_DESC = struct.Struct("<QQQqq16sQ")   # 0 (reserved), kind, bytes, op, root, dtype, extra
-KINDS = ("barrier", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
-         "reduce_scatter", "all_to_all", "refused")   # refused: a call whose own arguments were bad (op: its kind)
+CTL_STRIDE = layout.SLOT_STRIDE       # per member: phase, descriptors of the last two calls (layout.py)
+_DESC = layout.DESC                   # 0 (reserved), kind, bytes, op, root, dtype, extra
+KINDS = layout.KINDS
 DEFAULT_SLOT_BYTES = 1 << 20          # per member and buffer; two buffers each
 SLOT_ENV = "SHMDIST_ARENA_BYTES"
 SMALL_ALLREDUCE = 64 << 10            # up to this, every rank reduces the whole vector itself
@@ -59,20 +57,10 @@ def _align(n: int, a: int = 4096) -> int:
     return (n + a - 1) // a * a
 
 
-def _parts(count: int, n: int) -> list[tuple[int, int]]:
-    """Split ``count`` elements into n contiguous (start, length) parts."""
-    base, rem = divmod(count, n)
-    out, start = [], 0
-    for j in range(n):
-        length = base + (j < rem)
-        out.append((start, length))
-        start += length
-    return out
-
-
-_BARRIER = _DESC.pack(0, KINDS.index("barrier"), 0, 0, -1, b"", 0)
-_PHASER_KINDS = {np.dtype(t): (kind, np.dtype(t).name.encode())    # the dtypes the C reduction takes
-                 for kind, t in enumerate((np.float32, np.float64, np.int32, np.int64))}
+_parts = layout.parts
+_BARRIER = layout.pack_desc("barrier", 0, 0, -1, b"", 0)
+_PHASER_KINDS = {np.dtype(t): (layout.kind_of(t), t.encode())    # the dtypes the C reduction takes
+                 for t in ("float32", "float64", "int32", "int64")}
 
 
 def _said(what) -> str:
@@ -97,7 +85,7 @@ def open_group(world, group) -> "GroupComm":
     key = f"arena/{group.gid}/{members}"
     creator = world.rank == group.ranks[0]
     seg = segment.share(world.store, key, n, creator, size if creator else 0, who, world.timeout,
-                        init=lambda s: struct.pack_into("<QQ", s.mm, 64, slot, rounds))
+                        init=lambda s: layout.PARAMS.pack_into(s.mm, layout.PARAMS_AT, slot, rounds))
     return GroupComm(world, group, seg)
 
 
@@ -112,7 +100,7 @@ class GroupComm:
         self.n = group.size()
         self.me = group.rank()
         self.rank = world.rank
-        self.slot, self.round_bytes = struct.unpack_from("<QQ", seg.mm, 64)
+        self.slot, self.round_bytes = layout.PARAMS.unpack_from(seg.mm, layout.PARAMS_AT)
         base = seg.addr
         self.ctl = [base + segment.HEADER_BYTES + i * CTL_STRIDE for i in range(self.n)]
         data_at = _align(segment.HEADER_BYTES + self.n * CTL_STRIDE)
@@ -235,7 +223,7 @@ class GroupComm:
         if packed is None:
             kind, nbytes, op, root, dtype, extra = desc
             root = self.group.ranks[root] if root >= 0 else -1
-            packed = _DESC.pack(0, KINDS.index(kind), nbytes, op, root, dtype.encode(), extra)
+            packed = layout.pack_desc(kind, nbytes, op, root, dtype.encode(), extra)
             if len(self.packed) >= 1024:
                 self.packed.clear()
             self.packed[desc] = packed
@@ -252,7 +240,7 @@ class GroupComm:
             "collectives in the same order, with the same sizes, dtypes, ops and roots", descs)
 
     def _desc_at(self, member: int, parity: int) -> int:
-        return self.ctl[member] - self.seg.addr + 64 + 64 * parity
+        return self.ctl[member] - self.seg.addr + layout.SLOT_DESC + layout.DESC_BYTES * parity
 
     def _read_desc(self, member: int, parity: int) -> tuple:
         return _DESC.unpack_from(self.seg.mm, self._desc_at(member, parity))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import select
-import struct
 import threading
 import time
 from collections import deque
@@ -28,12 +27,9 @@ import numpy as np
 
 from shmdist import _core
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
+from shmdist.layout import HEADER as HDR, MAGIC, VERSION   # the record header (layout.py)
 from shmdist.tensors import MAX_DIMS, as_buf, describe
 
-MAGIC = 0x444D4853  # "SHMD"
-VERSION = 1
-HDR = struct.Struct("<IHHqqiiQ16s8q8x")
-assert HDR.size == _core.HEADER_BYTES
 LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
 COLLECTIVE_GID = 1 << 40  # group ids at and above it carry collectives' own messages
 

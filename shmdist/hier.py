@@ -28,15 +28,13 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from shmdist import _core, collectives
-from shmdist.collectives import KINDS
+from shmdist import _core, collectives, layout
 from shmdist.engine import COLLECTIVE_GID
 from shmdist.errors import DistError
 from shmdist.reduce_ops import ReduceOp, _from_f32, _to_f32, reduce_into
 from shmdist.request import DistributedRequest
 from shmdist.tensors import Buf, as_buf
 
-DESC_WORDS = 8   # kind, bytes, op, root, dtype (16 bytes), extra
 TAG = 0
 
 
@@ -154,11 +152,9 @@ class HierComm:
             raise DistError(f"rank {self.rank}: {what}: group {list(self.group.ranks)} is unusable "
                             f"since {self.broken}; destroy it and create a new one")
         kind, nbytes, op, root, dtype, extra = desc
-        mine = np.zeros(DESC_WORDS, dtype=np.int64)
-        mine[:4] = KINDS.index(kind), nbytes, op, self.group.ranks[root] if root >= 0 else -1
-        mine[4:6] = np.frombuffer(dtype.encode()[:16].ljust(16, b"\0"), dtype=np.int64)
-        mine[6] = extra
-        table = np.zeros((self.n, DESC_WORDS), dtype=np.int64)
+        mine = np.frombuffer(layout.pack_desc(kind, nbytes, op, self.group.ranks[root] if root >= 0 else -1,
+                                              dtype.encode(), extra), dtype=np.int64)
+        table = np.zeros((self.n, layout.DESC_WORDS), dtype=np.int64)
         rows = {r: table[i] for i, r in enumerate(self.order)}
         if self.comm:
             with self._step(what):
@@ -343,9 +339,8 @@ class HierComm:
 
 
 def _desc(row: np.ndarray) -> tuple:
-    """A table row as the descriptor tuple collectives._describe reads."""
-    kind, nbytes, op, root = (int(x) for x in row[:4])
-    return (0, kind, nbytes, op, root, row[4:6].tobytes(), int(row[6]))
+    """A table row (a packed layout.DESC) as the descriptor tuple collectives._describe reads."""
+    return layout.DESC.unpack(row.tobytes())
 
 
 def _describe(row: np.ndarray) -> str:

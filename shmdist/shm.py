@@ -11,12 +11,11 @@ Layout (offsets in bytes):
 from __future__ import annotations
 
 import os
-import struct
 
-from shmdist import _core, segment
+from shmdist import _core, layout, segment
 
-_LAYOUT = struct.Struct("<QQ")          # ring bytes, local ranks; after the segment header
-_LAYOUT_AT = 64
+_LAYOUT = layout.PARAMS                 # ring bytes, local ranks; after the segment header
+_LAYOUT_AT = layout.PARAMS_AT
 RING_BYTES_BY_RANKS = ((4, 2 << 20), (8, 1 << 20))   # up to N local ranks: bytes per ordered pair
 SMALL_RING_BYTES = 1 << 18                          # beyond: 16 ranks stay under 64 MiB
 RING_ENV = "SHMDIST_RING_BYTES"
@@ -73,8 +72,8 @@ def _align(n: int, a: int = 4096) -> int:
 
 
 def segment_bytes(nlocal: int, ring_bytes: int) -> int:
-    rings_at = _align(segment.HEADER_BYTES + nlocal * _core.CTL_BYTES)
-    return rings_at + nlocal * (nlocal - 1) * (_core.RING_CTL_BYTES + ring_bytes)
+    rings_at = _align(segment.HEADER_BYTES + nlocal * layout.CTL_BYTES)
+    return rings_at + nlocal * (nlocal - 1) * (layout.RING_CTL_BYTES + ring_bytes)
 
 
 class ShmHost:
@@ -105,15 +104,15 @@ class ShmHost:
         self.local_ranks = local_ranks
         self.me = local_ranks.index(rank)
         base = seg.addr
-        self.ctls = {r: base + segment.HEADER_BYTES + i * _core.CTL_BYTES
+        self.ctls = {r: base + segment.HEADER_BYTES + i * layout.CTL_BYTES
                      for i, r in enumerate(local_ranks)}
-        rings_at = _align(segment.HEADER_BYTES + n * _core.CTL_BYTES)
-        stride = _core.RING_CTL_BYTES + self.ring_bytes
+        rings_at = _align(segment.HEADER_BYTES + n * layout.CTL_BYTES)
+        stride = layout.RING_CTL_BYTES + self.ring_bytes
 
         def ring(s: int, d: int, other: int):
             idx = s * (n - 1) + (d if d < s else d - 1)
             at = base + rings_at + idx * stride
-            return _core.Ring(at, at + _core.RING_CTL_BYTES, self.ring_bytes, self.ctls[other])
+            return _core.Ring(at, at + layout.RING_CTL_BYTES, self.ring_bytes, self.ctls[other])
 
         self.out = {r: ring(self.me, i, r) for i, r in enumerate(local_ranks) if i != self.me}
         self.inc = {r: ring(i, self.me, r) for i, r in enumerate(local_ranks) if i != self.me}

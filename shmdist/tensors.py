@@ -13,7 +13,7 @@ import numpy as np
 from shmdist import _core
 from shmdist.errors import DistError
 
-MAX_DIMS = 8  # dims carried in a message header; more still work, by element count
+from shmdist.layout import MAX_DIMS  # dims carried in a message header; more still work, by element count
 
 
 class Buf:
