@@ -1,4 +1,5 @@
 """Build the Cython core. A failed compile is an error, never a fallback."""
+import glob
 import os
 import runpy
 import sys
@@ -20,8 +21,9 @@ ext = Extension(
     "shmdist._core",
     sources=["shmdist/_core.pyx"],
     include_dirs=["shmdist"],
+    # the hub _core.pyx includes the _*.pxi files; its classes are declared in _core.pxd
     depends=["shmdist/_atomics.h", "shmdist/_half.h", "shmdist/_core.pxd", "shmdist/_layout.h",
-             "shmdist/_layout.pxi", "shmdist/layout.py"],
+             "shmdist/layout.py", *sorted(glob.glob("shmdist/_*.pxi"))],
     extra_compile_args=["-O3", "-fno-strict-aliasing", "-fwrapv"],
 )
 

@@ -67,6 +67,14 @@ enum {
     SD_KIND_BFLOAT16 = 4,
     SD_KIND_FLOAT16 = 5,
     SD_NKINDS = 6,
+    SD_DONE_SPINNING = 2,
+    SD_DONE = 1,
+    SD_NOT_YET = 0,
+    SD_DIFFER = -1,
+    SD_BROKEN = -2,
+    SD_NOT_TAKEN = -3,
+    SD_OTHER_RECORD = -4,
+    SD_ALL_ROUNDS_DONE = -5,
 };
 
 /* bytes per element of each kernel kind, indexed by SD_KIND_* */

@@ -63,6 +63,14 @@ cdef extern from "_layout.h" nogil:
         SD_KIND_BFLOAT16
         SD_KIND_FLOAT16
         SD_NKINDS
+        SD_DONE_SPINNING
+        SD_DONE
+        SD_NOT_YET
+        SD_DIFFER
+        SD_BROKEN
+        SD_NOT_TAKEN
+        SD_OTHER_RECORD
+        SD_ALL_ROUNDS_DONE
     const size_t sd_kind_itemsize[]
 
 C_LAYOUT = {
@@ -128,4 +136,12 @@ C_LAYOUT = {
     "SD_KIND_BFLOAT16": SD_KIND_BFLOAT16,
     "SD_KIND_FLOAT16": SD_KIND_FLOAT16,
     "SD_NKINDS": SD_NKINDS,
+    "SD_DONE_SPINNING": SD_DONE_SPINNING,
+    "SD_DONE": SD_DONE,
+    "SD_NOT_YET": SD_NOT_YET,
+    "SD_DIFFER": SD_DIFFER,
+    "SD_BROKEN": SD_BROKEN,
+    "SD_NOT_TAKEN": SD_NOT_TAKEN,
+    "SD_OTHER_RECORD": SD_OTHER_RECORD,
+    "SD_ALL_ROUNDS_DONE": SD_ALL_ROUNDS_DONE,
 }

@@ -27,6 +27,7 @@ import numpy as np
 
 from shmdist import _core, layout, segment
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
+from shmdist.layout import ALL_ROUNDS_DONE, BROKEN, DIFFER, DONE, NOT_TAKEN, NOT_YET
 from shmdist.reduce_ops import ReduceOp, reduce_into, reduce_rows
 from shmdist.tensors import describe
 
@@ -167,20 +168,20 @@ class GroupComm:
 
     def _pass(self, what, timeout: float, desc: bytes | None = None) -> int:
         """Arrive at the next phase and wait for every member. With ``desc``,
-        first publish this call's descriptor; returns -1 when the members'
+        first publish this call's descriptor; returns DIFFER when the members'
         descriptors then differ."""
         how = self.ph.enter(desc)
-        if how:
+        if how != NOT_YET:
             return how
         return self._finish_pass(what, timeout, desc is not None)
 
     def _finish_pass(self, what, timeout: float, compare: bool) -> int:
         """Sleep until every member entered the phase this member entered last;
-        then, with ``compare``, -1 when their last descriptors differ."""
+        then, with ``compare``, DIFFER when their last descriptors differ."""
         self._sleep_until(self.ph.phase, what, timeout)
         if compare and not _core.all_same(self.ctl[0] + self.ph.desc_at, CTL_STRIDE, self.n, _DESC.size):
-            return -1
-        return 1
+            return DIFFER
+        return DONE
 
     def _sleep_until(self, target: int, what, timeout: float) -> None:
         what = _said(what)
@@ -211,7 +212,7 @@ class GroupComm:
     def _first_pass(self, what, desc: tuple | bytes, timeout: float) -> None:
         """The first phase of a call: publish the descriptor (a tuple, or
         already packed), pass, compare."""
-        if self._pass(what, timeout, self._packed(what, desc)) < 0:
+        if self._pass(what, timeout, self._packed(what, desc)) == DIFFER:
             self._mismatch(what)
 
     def _packed(self, what, desc: tuple | bytes) -> bytes:
@@ -302,12 +303,12 @@ class GroupComm:
         ``how``: what Phaser.barrier() returned, when the caller called it."""
         if how is None:
             how = self.ph.barrier()
-        if how > 0:
+        if how > 0:                       # DONE or DONE_SPINNING
             return True
-        if how == -2:
+        if how == BROKEN:
             return False
         try:                              # the Phaser left the lock held
-            if how < 0 or self._finish_pass("barrier", timeout, True) < 0:
+            if how == DIFFER or self._finish_pass("barrier", timeout, True) == DIFFER:
                 self._mismatch("barrier")
         finally:
             self.lock.release()
@@ -321,14 +322,14 @@ class GroupComm:
         having done nothing, when it does not apply. ``dtype_name``:
         "bfloat16" for a uint16 array of bfloat16 bits."""
         how = self.ph.all_reduce(arr, op, self.small, dtype_name)
-        if how > 0:
+        if how > 0:                       # DONE or DONE_SPINNING
             return True
-        if how <= -2:
+        if how == BROKEN or how == NOT_TAKEN:
             return False
         kind, code, _ = self.ph.plan(arr.dtype, op, dtype_name)
         what = lambda: f"all_reduce({op.name}, {describe(arr.nbytes, arr.dtype.name, arr.shape)})"
         try:                              # the Phaser left the lock held
-            if how < 0 or self._finish_pass(what, timeout, True) < 0:
+            if how == DIFFER or self._finish_pass(what, timeout, True) == DIFFER:
                 self._mismatch(what)
             b = (self.phase - 1) % 2
             _core.reduce_rows(kind, code, arr.ctypes.data, self.buffers[0][b], self.row_stride,
@@ -410,9 +411,9 @@ class GroupComm:
         while True:
             r = self.ph.all_reduce_rounds(addr, arr.size, kind, code, per_round, keep, r,
                                           resume, packed)
-            if r == -1:
+            if r == ALL_ROUNDS_DONE:
                 return
-            if r == -2 or self._finish_pass(what, timeout, r == 0) < 0:
+            if r == DIFFER or self._finish_pass(what, timeout, r == 0) == DIFFER:
                 self._mismatch(what)
             resume = True
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from shmdist import _core
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
-from shmdist.layout import HEADER as HDR, MAGIC, VERSION   # the record header (layout.py)
+from shmdist.layout import DONE, HEADER as HDR, MAGIC, VERSION   # the record header (layout.py)
 from shmdist.tensors import MAX_DIMS, as_buf, describe
 
 LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
@@ -234,7 +234,7 @@ class Engine:
                 if inc is None:
                     if posted:      # the usual case, in one call: a whole record for the next receive
                         r = self._next_posted(src)
-                        if r is not None and chan.take(r.tag, r.gid, r.buf.addr, r.buf.nbytes, r.dtype16) > 0:
+                        if r is not None and chan.take(r.tag, r.gid, r.buf.addr, r.buf.nbytes, r.dtype16) == DONE:
                             posted.remove(r)
                             self._complete_recv(r, src)
                             drain = False

@@ -123,6 +123,20 @@ def kind_of(name: str) -> int:
     return [k for k, _ in KERNEL_KINDS].index(name)
 
 
+# ---------------------------------------------------------------- what the core returns
+# The outcomes of the core's waits, takes and phases: one name, and one value,
+# per meaning, shared by C and Python.
+
+DONE_SPINNING = 2             # done (the event came while spinning: keep spinning that long)
+DONE = 1                      # done (the event came later, or no spin was asked)
+NOT_YET = 0                   # not yet (a timeout, a signal, or the record is not all there)
+DIFFER = -1                   # every member is there, but their call descriptors differ
+BROKEN = -2                   # the group is broken: nothing was done
+NOT_TAKEN = -3                # the call does not suit this fast path: nothing was done
+OTHER_RECORD = -4             # the next record is not the one asked for: read its header
+ALL_ROUNDS_DONE = -5          # every round of a large all_reduce is done
+CODES = ("DONE_SPINNING", "DONE", "NOT_YET", "DIFFER", "BROKEN", "NOT_TAKEN", "OTHER_RECORD", "ALL_ROUNDS_DONE")
+
 # ---------------------------------------------------------------- the C view
 
 def c_constants() -> dict[str, int]:
@@ -147,6 +161,7 @@ def c_constants() -> dict[str, int]:
     c.update({f"SD_OP_{name}": i for i, name in enumerate(OPS)})
     c.update({f"SD_KIND_{name.upper()}": i for i, (name, _) in enumerate(KERNEL_KINDS)})
     c["SD_NKINDS"] = len(KERNEL_KINDS)
+    c.update({f"SD_{name}": globals()[name] for name in CODES})
     return c
 
 
