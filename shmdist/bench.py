@@ -443,11 +443,6 @@ def detect(args) -> tuple[list[Backend], list[str]]:
     return backends, notes
 
 
-def shmdist_lacks(kind: str) -> bool:
-    import shmdist
-    return kind in COLLECTIVES and not hasattr(shmdist, kind)
-
-
 def runs(b: Backend, rows: list[Point]) -> dict[int, list[Point]]:
     """The points ``b`` measures, by number of ranks."""
     if b.key == "memcpy":
@@ -456,8 +451,7 @@ def runs(b: Backend, rows: list[Point]) -> dict[int, list[Point]]:
         return {1: list(dict.fromkeys(own))}
     by_ranks: dict[int, list[Point]] = {}
     for p in rows:
-        if not (b.key == "shmdist" and shmdist_lacks(p.kind)):
-            by_ranks.setdefault(p.ranks, []).append(p)
+        by_ranks.setdefault(p.ranks, []).append(p)
     return by_ranks
 
 
@@ -763,9 +757,6 @@ def main(argv=None) -> int:
     settings = QUICK if args.quick else FULL
     rows = plan(args.only, args.ranks)
     backends, notes = detect(args)
-    if "shmdist" in args.backends:
-        notes += [f"shmdist has no {k} yet: its rows show n/a" for k in COLLECTIVES
-                  if k in args.only and shmdist_lacks(k)]
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     # Interleaved: each round runs every backend on one kind of figure (and rank count), then the
