@@ -19,13 +19,13 @@ computing garbage, and the group stays usable.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import numpy as np
 
-from shmdist import _core, layout, segment
+from shmdist import _core, layout, segment, settings
+from shmdist.fast import paths as _fast
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
 from shmdist.layout import ALL_ROUNDS_DONE, BROKEN, DIFFER, DONE, NOT_TAKEN, NOT_YET
 from shmdist.reduce_ops import ReduceOp, reduce_into, reduce_rows
@@ -34,24 +34,14 @@ from shmdist.tensors import describe
 CTL_STRIDE = layout.SLOT_STRIDE       # per member: phase, descriptors of the last two calls (layout.py)
 _DESC = layout.DESC                   # 0 (reserved), kind, bytes, op, root, dtype, extra
 KINDS = layout.KINDS
-DEFAULT_SLOT_BYTES = 1 << 20          # per member and buffer; two buffers each
-SLOT_ENV = "SHMDIST_ARENA_BYTES"
+SLOT_ENV = "SHMDIST_ARENA_BYTES"      # bytes per member and buffer; two buffers each (settings.py)
 SMALL_ALLREDUCE = 64 << 10            # up to this, every rank reduces the whole vector itself
 LIVENESS_PERIOD = 0.2
-ROUND_BYTES = 512 << 10               # most elements' bytes per round of a large all_reduce in C
-ROUND_ENV = "SHMDIST_ROUND_BYTES"
+ROUND_ENV = "SHMDIST_ROUND_BYTES"     # most elements' bytes per round of a large all_reduce (settings.py)
 
 
 def slot_bytes() -> int:
-    return _bytes_setting(SLOT_ENV, DEFAULT_SLOT_BYTES)
-
-
-def _bytes_setting(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    value = int(raw, 0) if raw else default
-    if value < 4096 or value % 4096:
-        raise ValueError(f"{name}={raw}: must be a multiple of 4096")
-    return value
+    return settings.get(SLOT_ENV)
 
 
 def _align(n: int, a: int = 4096) -> int:
@@ -74,7 +64,7 @@ def open_group(world, group) -> "GroupComm":
     """Create (lowest member) or attach the group's arena. Members only."""
     n = group.size()
     slot = slot_bytes()
-    rounds = _bytes_setting(ROUND_ENV, ROUND_BYTES)   # the creator's settings hold for every member
+    rounds = settings.get(ROUND_ENV)   # the creator's settings hold for every member
     ctl_at = segment.HEADER_BYTES
     data_at = _align(ctl_at + n * CTL_STRIDE)
     size = data_at + 2 * n * slot
@@ -91,7 +81,6 @@ def open_group(world, group) -> "GroupComm":
 
 
 class GroupComm:
-    c_rounds = True        # large all_reduce of common dtypes and ops in C (tests turn it off)
     all_to_all_in_place = True   # an output exactly over its own input: read in a round before written
     quick_names = True     # quick_all_reduce takes a dtype name ("bfloat16" bits as uint16)
     retired: str | None = None   # why the group was destroyed, for a thread still inside a call
@@ -364,7 +353,7 @@ class GroupComm:
             return
         # a round's parts, plus my reduced part, fit the slot; C and Python rounds split alike
         per_round = min((self.slot // isz - 1) * n // (n + 1), self.round_bytes // isz)
-        plan = self.quick.get((buf.dtype, op), False) if self.c_rounds else None
+        plan = self.quick.get((buf.dtype, op), False) if _fast.rounds_in_c() else None
         if plan is False:
             plan = self.quick[(buf.dtype, op)] = self.ph.plan(dtype, op, buf.dtype)
         if plan is not None:

@@ -25,10 +25,10 @@ from collections import deque
 
 import numpy as np
 
-from shmdist import _core
+from shmdist import _core, settings
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
-from shmdist.layout import DONE, HEADER as HDR, MAGIC, VERSION   # the record header (layout.py)
-from shmdist.tensors import MAX_DIMS, as_buf, describe
+from shmdist.layout import DONE, HEADER as HDR, MAGIC, MAX_DIMS, VERSION   # the record header (layout.py)
+from shmdist.tensors import as_buf, describe
 
 LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
 COLLECTIVE_GID = 1 << 40  # group ids at and above it carry collectives' own messages
@@ -73,8 +73,8 @@ def Backoff(oversubscribed: bool) -> _core.Backoff:
     """The waiting policy of this process (see _core.Backoff): spin up to
     SHMDIST_SPIN pauses (~50 us), or, with more local ranks than cores, no
     spinning but SHMDIST_YIELDS sched_yields before sleeping."""
-    most = 0 if oversubscribed else int(os.environ.get("SHMDIST_SPIN", 4000))
-    yields = int(os.environ.get("SHMDIST_YIELDS", 4)) if oversubscribed else 0
+    most = 0 if oversubscribed else settings.get("SHMDIST_SPIN")
+    yields = settings.get("SHMDIST_YIELDS") if oversubscribed else 0
     return _core.Backoff(most, yields)
 
 

@@ -11,17 +11,17 @@ import errno
 import hashlib
 import json
 import os
-import sys
 import threading
 
 import numpy as np
 
-from shmdist import collectives, rendezvous
-from shmdist.engine import Engine, dtype_field
+from shmdist import collectives, rendezvous, settings
+from shmdist.engine import Engine
+from shmdist.fast import paths as _fast
 from shmdist.errors import DistError, DistMismatchError, DistNotInitializedError, DistPeerError
 from shmdist.request import DistributedRequest
 from shmdist.shm import ShmHost
-from shmdist.tensors import as_buf, is_torch_tensor
+from shmdist.tensors import as_buf
 
 DEFAULT_TIMEOUT = 1800.0   # seconds, torch's default for CPU backends
 FAILED_INIT_LINGER = 3.0   # seconds the master keeps the store up after a failed init
@@ -30,7 +30,8 @@ BACKENDS = {"shm": "shm", "gloo": "shm", "tcp": "tcp"}
 
 def _seconds(timeout) -> float:
     if timeout is None:
-        return float(os.environ.get("SHMDIST_TIMEOUT", DEFAULT_TIMEOUT))
+        value = settings.get("SHMDIST_TIMEOUT")
+        return DEFAULT_TIMEOUT if value is None else value
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
     if not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -136,17 +137,7 @@ class World:
 
 RETIRE_SECONDS = 2.0   # how long destroy waits for another thread to leave a wait before unmapping
 
-_world: World | None = None
-_lane = None    # _world's engine.lane while _world may be used: send/recv try it first
-_barrier = None  # the default group's Phaser.barrier then (shared-memory groups only): barrier tries it
-
-
-def _set_fast(w: "World | None") -> None:
-    """Point the fast paths at ``w`` (None: at nothing, e.g. after destroy)."""
-    global _lane, _barrier
-    _lane = w.engine.lane if w is not None else None
-    coll = w.default.coll if w is not None else None
-    _barrier = coll.ph.barrier if isinstance(coll, collectives.GroupComm) else None
+_world: World | None = None     # the fast paths (fast.paths) point at it while it may be used
 
 
 def world(op: str = "this call") -> World:
@@ -168,7 +159,7 @@ def _forked_why(w: World) -> str:
 
 def _mark_forked() -> None:
     """In a forked child: the inherited group belongs to the parent."""
-    _set_fast(None)
+    _fast.attach(None)
     if _world is not None:
         _world.forked = True
         if _world.engine is not None:   # requests the parent made wait here no more
@@ -187,7 +178,7 @@ def _close_at_exit() -> None:
     so its peers learn it left rather than died."""
     global _world
     w, _world = _world, None
-    _set_fast(None)
+    _fast.attach(None)
     if w is not None:
         w.close()
 
@@ -205,7 +196,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         raise DistError(f"init_process_group: unknown backend '{backend}'; shmdist offers 'shm' "
                         "(shared memory between local ranks), 'tcp', and 'gloo' as a name for 'shm'")
     kind = BACKENDS[name]
-    if os.environ.get("SHMDIST_TRANSPORT", "").lower() == "tcp":
+    if settings.get("SHMDIST_TRANSPORT") == "tcp":
         kind = "tcp"
     seconds = _seconds(timeout)
     if store is None:
@@ -249,7 +240,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                             "the limit (ulimit -n)") from e
         raise
     _world = w
-    _set_fast(w)
+    _fast.set_enabled(settings.get("SHMDIST_FAST"), w)
 
 
 def _setup(w: World) -> None:
@@ -290,7 +281,7 @@ def _setup(w: World) -> None:
     if remote:
         from shmdist import tcp   # loads only when a job spans hosts
         w.tcp = tcp.Transport(w.rank, remote, store, tcp.job_digest(infos), w.timeout, who,
-                              os.environ.get(rendezvous.SECRET_ENV) or None, ctl, ctl_memory)
+                              settings.get(rendezvous.SECRET_ENV), ctl, ctl_memory)
         out.update(w.tcp.links)
         inc.update(w.tcp.links)
     peers = {r: infos[r]["pid"] for r in local if r != w.rank}
@@ -324,7 +315,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     w = world("destroy_process_group")
     if group is None or group is w.default:
         _world = None
-        _set_fast(None)
+        _fast.attach(None)
         w.close()
         return
     group.destroyed = True
@@ -448,72 +439,21 @@ def _tag(w, tag, op) -> int:
     return tag
 
 
-_Tensor = None   # torch.Tensor, once the first torch tensor came: its plain CPU tensors take the
-                 # fast paths as numpy views
-
-
-def fast_array(tensor) -> np.ndarray | None:
-    """``tensor`` itself when it is a numpy array, a numpy view of a plain
-    torch CPU tensor (no autograd, no conjugate or negative bit, a dtype
-    numpy has), else None: what the fast paths may take."""
-    global _Tensor
-    if tensor.__class__ is np.ndarray:
-        return tensor
-    if tensor.__class__ is not _Tensor:
-        if _Tensor is not None or not is_torch_tensor(tensor):
-            return None
-        _Tensor = sys.modules["torch"].Tensor
-        if tensor.__class__ is not _Tensor:       # a subclass (Parameter...): the general way
-            return None
-    if tensor.requires_grad:
-        return None
-    try:
-        return tensor.numpy()
-    except (RuntimeError, TypeError, ValueError):   # another device or layout, conj, bfloat16...
-        return None
-
-
-def fast_bf16(tensor) -> np.ndarray | None:
-    """The bits of a plain torch CPU bfloat16 tensor as a uint16 numpy view
-    (what fast_array gives for other dtypes), else None. Only for the quick
-    all_reduce, which is told the dtype's name: the lane's dtype table is
-    keyed by numpy dtype, where bfloat16 and uint16 look alike."""
-    if tensor.__class__ is not _Tensor:       # _Tensor: set by fast_array's first torch tensor
-        return None
-    torch = sys.modules["torch"]
-    if tensor.dtype is not torch.bfloat16 or tensor.requires_grad or tensor.is_neg():
-        return None
-    try:
-        return tensor.view(torch.int16).numpy().view(np.uint16)
-    except (RuntimeError, TypeError, ValueError):   # another device or layout
-        return None
-
-
-def _learn(w: World, tensor, buf) -> None:
-    """Teach the fast lane a dtype the general path accepted, by its numpy dtype."""
-    if tensor.__class__ is not np.ndarray:
-        tensor = fast_array(tensor)
-        if tensor is None:
-            return
-    if tensor.dtype.name != buf.dtype or not tensor.dtype.isnative:   # the lane moves raw bytes
-        return
-    w.engine.lane.dtypes[tensor.dtype] = dtype_field(buf.dtype)
-
-
 def send(tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> DistributedRequest:
     """Send ``tensor`` to global rank ``dst``. Returns at once; ``wait()``
     returns when the bytes are handed over (the tensor may be reused then)."""
-    if _lane is not None and group is None:
-        arr = tensor if tensor.__class__ is np.ndarray else fast_array(tensor)
+    lane = _fast.lane
+    if lane is not None and group is None:
+        arr = tensor if tensor.__class__ is np.ndarray else _fast.array(tensor)
         if arr is not None:
-            req = _lane.send(arr, dst, tag)
+            req = lane.send(arr, dst, tag)
             if req is not None:
                 return req
     w, g = _group(group, "send")
     _member(w, g, "send")
     dst = _peer(w, g, dst, "send", "dst")
     buf = as_buf(tensor, writable=False, who=f"rank {w.rank}: send")
-    _learn(w, tensor, buf)
+    _fast.learn(w.engine, tensor, buf)
     req = DistributedRequest(w.engine, f"send to rank {dst}")
     w.engine.send(req, buf, dst, g.gid, _tag(w, tag, "send"))
     return req
@@ -523,10 +463,11 @@ def recv(tensor, src: int | None = None, group: ProcessGroup | None = None,
          tag: int = 0) -> DistributedRequest:
     """Receive into ``tensor`` from global rank ``src`` (any rank when None).
     The request's ``source`` tells the sender once complete."""
-    if _lane is not None and group is None and src is not None:
-        arr = tensor if tensor.__class__ is np.ndarray else fast_array(tensor)
+    lane = _fast.lane
+    if lane is not None and group is None and src is not None:
+        arr = tensor if tensor.__class__ is np.ndarray else _fast.array(tensor)
         if arr is not None:
-            req = _lane.recv(arr, src, tag)
+            req = lane.recv(arr, src, tag)
             if req is not None:
                 if arr is not tensor:
                     req.tensors = [tensor]
@@ -536,7 +477,7 @@ def recv(tensor, src: int | None = None, group: ProcessGroup | None = None,
     if src is not None:
         src = _peer(w, g, src, "recv", "src")
     buf = as_buf(tensor, writable=True, who=f"rank {w.rank}: recv")
-    _learn(w, tensor, buf)
+    _fast.learn(w.engine, tensor, buf)
     req = DistributedRequest(w.engine, f"recv from rank {src}" if src is not None else "recv from any rank",
                              [tensor])
     w.engine.recv(req, buf, src, g.gid, _tag(w, tag, "recv"), g.ranks)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from shmdist import _core, layout, segment
+from shmdist import _core, layout, segment, settings
 
 _LAYOUT = layout.PARAMS                 # ring bytes, local ranks; after the segment header
 _LAYOUT_AT = layout.PARAMS_AT
@@ -27,9 +27,9 @@ def stream_bytes() -> int:
     (0 turns them off), else half the last-level cache (at least 8 MiB).
     A destination that big would not stay in the cache anyway, so writing
     it around the cache saves reading every line before it is overwritten."""
-    raw = os.environ.get(STREAM_ENV)
-    if raw:
-        return int(raw, 0)
+    value = settings.get(STREAM_ENV)
+    if value is not None:
+        return value
     return max(last_level_cache() // 2, 8 << 20)
 
 
@@ -52,17 +52,11 @@ def last_level_cache() -> int:
     return max(sizes, default=0)
 
 
-_core.set_stream_min(stream_bytes())
-
-
 def ring_bytes_for(nlocal: int) -> int:
     """Ring size per ordered pair: SHMDIST_RING_BYTES, else by rank count.
     With few ranks a 1 MiB message and its header fit in one ring fill."""
-    raw = os.environ.get(RING_ENV)
-    if raw:
-        value = int(raw, 0)
-        if value < 4096 or value & (value - 1):
-            raise ValueError(f"{RING_ENV}={raw}: the ring size must be a power of two >= 4096")
+    value = settings.get(RING_ENV)
+    if value is not None:
         return value
     return next((size for most, size in RING_BYTES_BY_RANKS if nlocal <= most), SMALL_RING_BYTES)
 
@@ -82,6 +76,7 @@ class ShmHost:
     @staticmethod
     def open(store, key: str, local_ranks: list[int], rank: int, who: str, timeout: float) -> "ShmHost":
         """Create (lowest local rank) or attach the host segment, and map it."""
+        _core.set_stream_min(stream_bytes())    # this process's receives, from now on
         n = len(local_ranks)
         creator = rank == local_ranks[0]
         size = ring = 0

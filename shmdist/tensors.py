@@ -13,8 +13,6 @@ import numpy as np
 from shmdist import _core
 from shmdist.errors import DistError
 
-from shmdist.layout import MAX_DIMS  # dims carried in a message header; more still work, by element count
-
 
 class Buf:
     """One tensor's memory, ready for the core.

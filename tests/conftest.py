@@ -3,6 +3,8 @@
 ``run_ranks``  runs a module-level function as N ranks in real processes and
                returns what each returned (see tests/ranks.py for the details).
 
+``no_fast_paths``  turns every fast path off (SHMDIST_FAST=0), in the ranks too.
+
 ``no_leaks``   (autouse) gives every test its own SHMDIST_JOB_ID. Segments
                have no name (memfd), so nothing of a test should ever appear
                under /dev/shm; as a belt, after the test it fails the test if
@@ -24,6 +26,15 @@ import pytest
 import ranks
 
 _test_number = itertools.count()
+
+
+@pytest.fixture
+def no_fast_paths(monkeypatch):
+    """Every fast path off (shmdist/fast.py: the lane, the one-call barrier and
+    all_reduce, the C rounds), here and in the ranks this test spawns."""
+    from shmdist import fast
+    monkeypatch.setenv("SHMDIST_FAST", "0")
+    monkeypatch.setattr(fast.paths, "enabled", False)
 
 
 @pytest.fixture
