@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Protocol
 
 import numpy as np
 
@@ -78,6 +79,34 @@ def open_group(world, group) -> "GroupComm":
     seg = segment.share(world.store, key, n, creator, size if creator else 0, who, world.timeout,
                         init=lambda s: layout.PARAMS.pack_into(s.mm, layout.PARAMS_AT, slot, rounds))
     return GroupComm(world, group, seg)
+
+
+class Comm(Protocol):
+    """The collective engine of one group, as collective_api calls it: the
+    shared-arena GroupComm (members on one node) and hier.HierComm (members
+    on several) implement it. Ranks in arguments are group ranks; ``buf``
+    and the addresses are tensors.Buf / their addresses; each call first
+    checks that every member made the same call (``unusable`` and
+    ``disagree`` are the errors), and runs under ``lock``."""
+
+    lock: threading.Lock
+    broken: str | None            # why the group can no longer run collectives
+
+    def barrier(self, timeout: float) -> None: ...
+    def barrier_as(self, kind: str, dtype: str, timeout: float) -> None: ...
+    def refuse(self, kind: str, timeout: float) -> None: ...
+    def quick_barrier(self, timeout: float, how: int | None = None) -> bool: ...
+    def quick_all_reduce(self, arr, op, timeout: float, dtype_name: str | None = None) -> bool: ...
+    def broadcast(self, buf, root: int, timeout: float) -> None: ...
+    def all_reduce(self, buf, arr, op, timeout: float, root: int = -1) -> None: ...
+    def all_gather(self, outs: list, buf, root: int, timeout: float) -> None: ...
+    def scatter(self, ins: list, buf, root: int, timeout: float) -> None: ...
+    def reduce_scatter(self, out_buf, out_arr, ins: list, in_arrs: list, op, timeout: float) -> None: ...
+    def all_to_all(self, outs: list, ins: list, piece: int, dtype: str, timeout: float) -> None: ...
+    def arena_bytes(self) -> int: ...
+    def retire(self, why: str, within: float) -> bool: ...
+    def unlink(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class GroupComm:
@@ -207,8 +236,7 @@ class GroupComm:
     def _packed(self, what, desc: tuple | bytes) -> bytes:
         """The call's descriptor as its members compare it; refuses a broken group."""
         if self.broken:
-            raise DistError(f"rank {self.rank}: {_said(what)}: group {list(self.group.ranks)} is unusable "
-                            f"since {self.broken}; destroy it and create a new one")
+            raise unusable(self.rank, what, self.group.ranks, self.broken)
         packed = desc if desc.__class__ is bytes else self.packed.get(desc)
         if packed is None:
             kind, nbytes, op, root, dtype, extra = desc
@@ -223,11 +251,7 @@ class GroupComm:
         """Raise the error for a call the members disagree on (the last one)."""
         parity = (self.calls - 1) % 2
         descs = [self._read_desc(i, parity) for i in range(self.n)]
-        calls = "; ".join(f"rank {self.group.ranks[i]} called {_describe(d)}" for i, d in enumerate(descs))
-        raise mismatch(
-            f"rank {self.rank}: {_said(what)}: the ranks of group {list(self.group.ranks)} disagree on "
-            f"collective #{self.calls}: {calls}. Every rank of a group must call the same "
-            "collectives in the same order, with the same sizes, dtypes, ops and roots", descs)
+        raise disagree(self.rank, what, self.group.ranks, descs, self.calls)
 
     def _desc_at(self, member: int, parity: int) -> int:
         return self.ctl[member] - self.seg.addr + layout.SLOT_DESC + layout.DESC_BYTES * parity
@@ -489,6 +513,24 @@ class GroupComm:
             for j, dst in enumerate(outs):
                 src = ins[me] + at if j == me else self._buf(j, b) + me * chunk
                 _core.copy(dst + at, src, size)
+
+
+def unusable(rank: int, what, ranks, broken: str) -> DistError:
+    """The error of a call on a group that a failure made unusable (every comm says it so)."""
+    return DistError(f"rank {rank}: {_said(what)}: group {list(ranks)} is unusable since {broken}; destroy "
+                     "it and create a new one")
+
+
+def disagree(rank: int, what, ranks, descs: list, number: int | None = None) -> DistMismatchError:
+    """The error of a call the members of group ``ranks`` disagree on
+    (``descs``: each member's layout.DESC fields; ``number``: which call of
+    the group it was, when counted)."""
+    calls = "; ".join(f"rank {r} called {_describe(d)}" for r, d in zip(ranks, descs))
+    on = f" on collective #{number}" if number is not None else ""
+    return mismatch(
+        f"rank {rank}: {_said(what)}: the ranks of group {list(ranks)} disagree{on}: {calls}. Every rank "
+        "of a group must call the same collectives in the same order, with the same sizes, dtypes, ops "
+        "and roots", descs)
 
 
 def refused(kind: str) -> tuple:

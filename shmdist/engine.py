@@ -17,8 +17,6 @@ send before they receive do not deadlock.
 """
 from __future__ import annotations
 
-import os
-import select
 import threading
 import time
 from collections import deque
@@ -99,15 +97,20 @@ class _Incoming:
 
 
 class Engine:
-    def __init__(self, rank: int, timeout: float, my_ctl: int, chan_out: dict, chan_in: dict,
-                 peer_pids: dict, peer_ctls: dict, oversubscribed: bool, links: dict | None = None):
+    def __init__(self, rank: int, timeout: float, my_ctl: int, transports: list, oversubscribed: bool):
+        """``transports``: each a transport.Transport; ``my_ctl``: the doorbell
+        this rank's waits sleep on (every transport rings it)."""
         self.rank = rank
         self.timeout = timeout
         self.ctl = my_ctl
+        chan_out, chan_in = {}, {}
+        self.transport_of = {}            # global rank -> the transport that reaches it
+        for t in transports:
+            chan_out.update(t.out)
+            chan_in.update(t.inc)
+            self.transport_of.update(dict.fromkeys(t.out, t))
         self.chan_out = chan_out          # global rank -> channel we produce into
         self.chan_in = list(chan_in.items())   # (global rank, channel we consume)
-        self.peer_ctls = peer_ctls        # global rank -> control block address
-        self.links = links or {}          # global rank -> tcp.Link, for ranks on other hosts
         self.sendq: dict[int, deque] = {}
         self.posted: list[_Recv] = []
         self.rx: dict[int, _Incoming | None] = {src: None for src, _ in self.chan_in}
@@ -116,13 +119,6 @@ class Engine:
         self.dead: dict[int, str] = {}    # peer -> why it is gone
         self.causes: dict[int, str] = {}  # peer that left -> the failure it left over
         self.timed_out = ""               # this rank's first timeout, as its peers should read it
-        self.pidfds = {}
-        for r, pid in peer_pids.items():
-            try:
-                self.pidfds[r] = os.pidfd_open(pid)
-            except (OSError, AttributeError):
-                self.pidfds[r] = None   # already gone, or no pidfd: checked by kill(0)
-        self.peer_pids = peer_pids
         self.backoff = Backoff(oversubscribed)
         self.closed = False
         self.forked = ""                  # in a forked child: why the parent's engine is not its own
@@ -372,35 +368,16 @@ class Engine:
         """None while ``peer`` lives and takes part; else why not."""
         if peer in self.dead:
             return self.dead[peer]
-        if peer in self.links:
-            link = self.links[peer]
-            gone = link.gone()
-            if gone:
-                self.dead[peer] = gone
-                if link.cause:
-                    self.causes[peer] = link.cause
-            return gone
-        if peer in self.peer_ctls and _core.ctl_closed(self.peer_ctls[peer]):
-            # a clean leave (the rank may have exited since), maybe forced by another's failure
-            cause = _core.ctl_cause(self.peer_ctls[peer]).decode(errors="ignore")
+        transport = self.transport_of.get(peer)
+        if transport is None:
+            return None
+        why, cause, final = transport.gone(peer)
+        if why:
             if cause:
                 self.causes[peer] = cause
-            return left_because(cause)
-        fd = self.pidfds.get(peer, -1)
-        gone = None
-        if fd is None:
-            try:
-                os.kill(self.peer_pids[peer], 0)
-            except ProcessLookupError:
-                gone = "died"
-        elif fd >= 0:
-            p = select.poll()
-            p.register(fd, select.POLLIN)
-            if p.poll(0):
-                gone = "died"
-        if gone:
-            self.dead[peer] = gone
-        return gone
+            if final:
+                self.dead[peer] = why
+        return why
 
     def leave_cause(self) -> str:
         """Why this rank leaves, for its peers to report: the first peer it
@@ -528,7 +505,3 @@ class Engine:
         for req in reqs:
             if req is not None and not req._done:
                 req._complete(self._destroyed(req))
-        for fd in self.pidfds.values():
-            if fd is not None and fd >= 0:
-                os.close(fd)
-        self.pidfds = {}

@@ -24,6 +24,7 @@ from shmdist.shm import ShmHost
 from shmdist.tensors import as_buf
 
 DEFAULT_TIMEOUT = 1800.0   # seconds, torch's default for CPU backends
+SUBGROUP_GID_BASE = 1 << 32   # group ids of torch's subgroups (subgroup_gid); new_group's count from 1
 FAILED_INIT_LINGER = 3.0   # seconds the master keeps the store up after a failed init
 BACKENDS = {"shm": "shm", "gloo": "shm", "tcp": "tcp"}
 
@@ -91,14 +92,23 @@ class World:
         self.last_gid = 0      # group ids this world handed out; 0 is the default group
 
     def allocate_gid(self) -> int:
-        """The one place shmdist.new_group's group ids come from: the next
-        id, never one handed out before in this world (a failed new_group
-        consumes its id too, so its store keys are never met again). Every
-        rank calls new_group in the same order, so the ids agree. Ids stay
-        below torch.GID_BASE (torch subgroups) and engine.COLLECTIVE_GID."""
+        """shmdist.new_group's group ids: the next id, never one handed out
+        before in this world (a failed new_group consumes its id too, so its
+        store keys are never met again). Every rank calls new_group in the
+        same order, so the ids agree. Ids stay below SUBGROUP_GID_BASE and
+        engine.COLLECTIVE_GID."""
         with self.lock:
             self.last_gid += 1
             return self.last_gid
+
+    def subgroup_gid(self, store, first: bool) -> int:
+        """The id of a group only its members make (torch's new_group calls
+        the backend on members only, so they cannot count locally): the
+        ``first`` member takes the next number of a world-wide counter and
+        leaves it in ``store``, the group's own store, for the others."""
+        if first:
+            store.set("gid", str(SUBGROUP_GID_BASE + self.store.add("torch-groups", 1)).encode())
+        return int(store.get("gid", self.timeout))
 
     def barrier(self, name: str) -> None:
         """Store-based barrier of every rank of the world (set-up only)."""
@@ -273,20 +283,19 @@ def _setup(w: World) -> None:
     same_machine = [r for r, info in enumerate(infos) if info["host"] == me["host"]]
     store.peers = {r: infos[r]["pid"] for r in same_machine if r != w.rank}   # watched from now on
     oversubscribed = len(same_machine) > len(os.sched_getaffinity(0))
-    out, inc, ctl, peer_ctls, ctl_memory = {}, {}, None, {}, None
+    transports, ctl, ctl_memory = [], None, None
     if w.backend == "shm":
         w.host = ShmHost.open(store, f"seg/{me['host']}", local, w.rank, who, w.timeout)
-        out, inc, ctl, ctl_memory = dict(w.host.out), dict(w.host.inc), w.host.my_ctl, w.host.seg.array
-        peer_ctls = {r: c for r, c in w.host.ctls.items() if r != w.rank}
+        ctl, ctl_memory = w.host.my_ctl, w.host.seg.array
+        transports.append(w.host)
     if remote:
         from shmdist import tcp   # loads only when a job spans hosts
         w.tcp = tcp.Transport(w.rank, remote, store, tcp.job_digest(infos), w.timeout, who,
                               settings.get(rendezvous.SECRET_ENV), ctl, ctl_memory)
-        out.update(w.tcp.links)
-        inc.update(w.tcp.links)
-    peers = {r: infos[r]["pid"] for r in local if r != w.rank}
-    w.engine = Engine(w.rank, w.timeout, w.tcp.ctl if w.tcp else ctl, out, inc, peers, peer_ctls,
-                      oversubscribed, links=w.tcp.links if w.tcp else None)
+        transports.append(w.tcp)
+    if w.host is not None:
+        w.host.watch({r: infos[r]["pid"] for r in local if r != w.rank})
+    w.engine = Engine(w.rank, w.timeout, w.tcp.ctl if w.tcp else ctl, transports, oversubscribed)
     w.default = ProcessGroup(w, 0, tuple(range(w.world_size)), w.timeout)
     w.groups.append(w.default)
     w.default.coll = _open_collectives(w, w.default)
@@ -296,6 +305,29 @@ def _setup(w: World) -> None:
                         "may not be its own. Give each job its own port or file, or a job identity "
                         f"({rendezvous.JOB_ENV})")
     w.barrier("init")
+
+
+def open_group(w: World, gid: int, ranks: tuple, timeout: float, made=None) -> ProcessGroup:
+    """The one group factory (new_group, torch's subgroups): the group, its
+    collective engine when this rank is a member (_open_collectives picks it
+    by the members' hosts), then ``made()`` (the members' last agreement),
+    and the group joins the world, so World.close closes it and
+    memory_usage counts it. A failure closes what was opened."""
+    g = ProcessGroup(w, gid, tuple(ranks), timeout)
+    try:
+        if g.is_member:
+            g.coll = _open_collectives(w, g)
+        if made is not None:
+            made()
+    except BaseException:
+        if g.coll is not None:
+            g.coll.close()
+            g.coll = None
+        g.destroyed = True
+        raise
+    with w.lock:
+        w.groups.append(g)
+    return g
 
 
 def _open_collectives(w: World, g: ProcessGroup):
@@ -371,7 +403,7 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
         raise DistError(f"{who}: ranks {members} repeat a rank; list each rank once")
     members = tuple(sorted(members))
     gid = w.allocate_gid()   # every rank, whatever happens next: ids stay in step and are never reused
-    g = ProcessGroup(w, gid, members, _seconds(timeout) if timeout is not None else w.timeout)
+    seconds = _seconds(timeout) if timeout is not None else w.timeout
     # Agree on the members first, through the store, before any arena exists:
     # ranks that disagree then fail with the mismatch and map nothing.
     sig = _members_digest(members)
@@ -390,18 +422,8 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
         raise DistMismatchError(f"{who}: this rank asked for a group of ranks {list(members)}, but {others} "
                                 f"(only {agree} of {w.world_size} ranks agree); every rank must call new_group "
                                 "with the same ranks, in the same order")
-    try:
-        if g.is_member:
-            g.coll = _open_collectives(w, g)
-        w.barrier(f"group/{gid}/made")   # the last store call: rank 0 may leave right after it
-    except BaseException:
-        if g.coll is not None:
-            g.coll.close()
-            g.coll = None
-        g.destroyed = True
-        raise
-    w.groups.append(g)
-    return g
+    # the last store call: rank 0 may leave right after it
+    return open_group(w, gid, members, seconds, made=lambda: w.barrier(f"group/{gid}/made"))
 
 
 def _members_digest(members) -> str:

@@ -73,7 +73,8 @@ def _piece(addr: int, nbytes: int) -> Buf:
 
 
 class HierComm:
-    """The methods of collectives.GroupComm, for a group spanning nodes."""
+    """collectives.Comm for a group spanning nodes (GroupComm is the one for
+    a group inside one node)."""
 
     def __init__(self, world, group, nodes: list[list[int]], comm):
         self.world, self.group, self.comm = world, group, comm
@@ -149,8 +150,7 @@ class HierComm:
     def _check(self, what: str, desc: tuple, timeout: float) -> None:
         """Compare every member's descriptor of this call (see the module doc)."""
         if self.broken:
-            raise DistError(f"rank {self.rank}: {what}: group {list(self.group.ranks)} is unusable "
-                            f"since {self.broken}; destroy it and create a new one")
+            raise collectives.unusable(self.rank, what, self.group.ranks, self.broken)
         kind, nbytes, op, root, dtype, extra = desc
         mine = np.frombuffer(layout.pack_desc(kind, nbytes, op, self.group.ranks[root] if root >= 0 else -1,
                                               dtype.encode(), extra), dtype=np.int64)
@@ -170,11 +170,8 @@ class HierComm:
         self._local_broadcast(as_buf(table, writable=True, who=f"rank {self.rank}: {what}"),
                               self.local[0], what, timeout)
         if (table != table[0]).any():
-            calls = "; ".join(f"rank {r} called {_describe(rows[r])}" for r in self.group.ranks)
-            raise collectives.mismatch(
-                f"rank {self.rank}: {what}: the ranks of group {list(self.group.ranks)} disagree: {calls}. "
-                "Every rank of a group must call the same collectives in the same order, with the same "
-                "sizes, dtypes, ops and roots", [_desc(rows[r]) for r in self.group.ranks])
+            descs = [_desc(rows[r]) for r in self.group.ranks]
+            raise collectives.disagree(self.rank, what, self.group.ranks, descs)
 
     def _block(self, table: np.ndarray, node: int) -> Buf:
         """The table rows of one node's members, as a buffer."""
@@ -212,10 +209,10 @@ class HierComm:
         if not home:
             self._local_broadcast(buf, self.local[0], what, timeout)
 
-    def quick_barrier(self, timeout: float) -> bool:
+    def quick_barrier(self, timeout: float, how: int | None = None) -> bool:
         return False    # across hosts the general calls below do everything
 
-    def quick_all_reduce(self, arr, op, timeout: float) -> bool:
+    def quick_all_reduce(self, arr, op, timeout: float, dtype_name: str | None = None) -> bool:
         return False
 
     def all_reduce(self, buf, arr: np.ndarray, op: ReduceOp, timeout: float, root: int = -1) -> None:
@@ -342,6 +339,3 @@ def _desc(row: np.ndarray) -> tuple:
     """A table row (a packed layout.DESC) as the descriptor tuple collectives._describe reads."""
     return layout.DESC.unpack(row.tobytes())
 
-
-def _describe(row: np.ndarray) -> str:
-    return collectives._describe(_desc(row))

@@ -11,8 +11,10 @@ Layout (offsets in bytes):
 from __future__ import annotations
 
 import os
+import select
 
 from shmdist import _core, layout, segment, settings
+from shmdist.engine import left_because
 
 _LAYOUT = layout.PARAMS                 # ring bytes, local ranks; after the segment header
 _LAYOUT_AT = layout.PARAMS_AT
@@ -112,7 +114,52 @@ class ShmHost:
         self.out = {r: ring(self.me, i, r) for i, r in enumerate(local_ranks) if i != self.me}
         self.inc = {r: ring(i, self.me, r) for i, r in enumerate(local_ranks) if i != self.me}
         self.my_ctl = self.ctls[rank]
+        self.peer_pids: dict = {}
+        self.pidfds: dict = {}
         _core.ctl_set_pid(self.my_ctl, os.getpid())
+
+    @property
+    def ctl(self) -> int:
+        return self.my_ctl
+
+    def watch(self, pids: dict) -> None:
+        """Watch the local peers' processes (global rank -> pid): a pidfd
+        each, polled by gone(). Called once their pids are known."""
+        self.peer_pids = dict(pids)
+        self.pidfds = {}
+        for r, pid in pids.items():
+            try:
+                self.pidfds[r] = os.pidfd_open(pid)
+            except (OSError, AttributeError):
+                self.pidfds[r] = None   # already gone, or no pidfd: checked by kill(0)
+
+    def gone(self, peer: int) -> tuple[str | None, str, bool]:
+        """transport.Transport.gone: a peer that closed its control block
+        left (maybe over another's failure: its cause); one whose process
+        ended without closing it died."""
+        ctl = self.ctls.get(peer)
+        if ctl is not None and _core.ctl_closed(ctl):
+            # a clean leave (the rank may have exited since), maybe forced by another's failure
+            cause = _core.ctl_cause(ctl).decode(errors="ignore")
+            return left_because(cause), cause, False
+        fd = self.pidfds.get(peer, -1)
+        if fd is None:
+            try:
+                os.kill(self.peer_pids[peer], 0)
+            except ProcessLookupError:
+                return "died", "", True
+        elif fd >= 0:
+            p = select.poll()
+            p.register(fd, select.POLLIN)
+            if p.poll(0):
+                return "died", "", True
+        return None, "", False
+
+    def unwatch(self) -> None:
+        for fd in self.pidfds.values():
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.pidfds = {}
 
     def memory(self) -> dict:
         n = len(self.local_ranks)
@@ -128,6 +175,7 @@ class ShmHost:
         ``unmap`` the memory stays mapped (a thread may still read it)."""
         if os.getpid() != self.seg.pid:
             return
+        self.unwatch()
         _core.ctl_close(self.my_ctl, cause.encode())   # cut to CAUSE_BYTES there
         for r, ctl in self.ctls.items():
             _core.ring_bell(ctl)

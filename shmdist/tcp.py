@@ -354,6 +354,19 @@ class Transport:
             raise
         self.thread.start()
 
+    @property
+    def out(self) -> dict:
+        return self.links          # a link carries both directions
+
+    inc = out
+
+    def gone(self, peer: int) -> tuple[str | None, str, bool]:
+        """transport.Transport.gone: a closed connection is final; its
+        goodbye, if one came, says why the peer left."""
+        link = self.links[peer]
+        why = link.gone()
+        return why, (link.cause if why else ""), bool(why)
+
     # ------------------------------------------------------------ connections
 
     def _proof(self, role: bytes, nonce: bytes, job: bytes) -> bytes:
