@@ -9,7 +9,6 @@
 #include <time.h>
 #include <unistd.h>
 #include <sched.h>
-#include <sys/uio.h>
 #include <sys/syscall.h>
 #include <linux/futex.h>
 #include <string.h>
@@ -79,12 +78,4 @@ static inline void sd_copy_nt(void *dst, const void *src, size_t n) {
 #endif
 }
 
-/* One copy from another process's memory (cross-memory attach).
- * Returns bytes read or -errno. */
-static inline long sd_cma_read(int pid, void *dst, const void *src, size_t n) {
-    struct iovec local = { dst, n };
-    struct iovec remote = { (void *)src, n };
-    ssize_t r = process_vm_readv(pid, &local, 1, &remote, 1, 0);
-    return r < 0 ? -errno : (long)r;
-}
 #endif

@@ -1,6 +1,10 @@
-# C declarations for the shared-memory core: atomics, futex, copies.
-# All of them are static inline helpers in _atomics.h and safe to call nogil.
+# Declarations of the core (_core.pyx and the .pxi files it includes): the C helpers
+# it calls, then its classes, each field commented once. The layouts and codes it
+# shares with Python are in _layout.pxi, generated from layout.py.
+cimport cython
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
+
+# static inline helpers of _atomics.h, all safe to call nogil
 
 cdef extern from "_atomics.h" nogil:
     uint64_t sd_load64(const uint64_t *p)
@@ -14,7 +18,18 @@ cdef extern from "_atomics.h" nogil:
     int sd_futex_wake(uint32_t *addr, int n)
     int sd_yield()
     void sd_copy_nt(void *dst, const void *src, size_t n)
-    long sd_cma_read(int pid, void *dst, const void *src, size_t n)
+
+cdef extern from "_sum.h" nogil:     # float32/float64 SUM and PRODUCT, all inputs in one pass
+    int sd_reduce_float(int f64, int op, void *out, const void *const *ins, int n, size_t count)
+
+cdef extern from "_trace.h":           # the flight recorder's C writer (the rest is trace.py)
+    enum: SD_TR_POSTED, SD_TR_WAITING, SD_TR_DONE, SD_TR_FAILED   # entry states
+    enum: SD_TR_SEND, SD_TR_RECV, SD_TR_COLL                      # entry ops (SD_TR_COLL + kind)
+    uint64_t sd_tr_post(uint32_t op, uint32_t state, int64_t gid, int64_t peer, int64_t tag,
+                        uint64_t nbytes, uint64_t coll, const char *dtype16)
+    void sd_tr_set(uint64_t seq, uint32_t state)
+    void sd_tr_done_at_once(uint64_t seq)
+    void sd_tr_attach(uint8_t *base, uint64_t capacity)
 
 cdef extern from "_half.h" nogil:
     void sd_reduce_half(int f16, int op, uint16_t *out, const uint16_t *const *ins, int n,
@@ -24,3 +39,103 @@ cdef extern from "_half.h" nogil:
     uint16_t sd_f32_bf16(float f)
     uint16_t sd_f32_f16(float f)
     float sd_f16_f32(uint16_t h)
+
+
+@cython.final
+cdef class Ring:
+    """_ring.pxi"""
+    cdef uint64_t *head
+    cdef uint64_t *tail
+    cdef uint8_t *data
+    cdef uint64_t size
+    cdef uint64_t mask
+    cdef size_t other_ctl
+    cdef uint64_t cached_head   # what the consumer last saw
+    cdef uint64_t cached_tail   # what the producer last saw
+    cdef void _put(self, uint64_t at, const uint8_t *src, size_t n) noexcept nogil
+    cdef void _get(self, uint64_t at, uint8_t *dst, size_t n, bint stream=*) noexcept nogil
+    cdef uint64_t _push(self, const uint8_t *hdr, const uint8_t *src, uint64_t nbytes,
+                        uint64_t pos, uint64_t total) noexcept nogil
+    cdef uint64_t _pull(self, uint8_t *dst, uint64_t nbytes, uint64_t pos,
+                        uint64_t total) noexcept nogil
+    cdef int _take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, const char *dtype16)
+
+
+cdef class Backoff:
+    """_waiting.pxi"""
+    cdef public long spin, yields, most, least
+    cpdef update(self, int how)
+
+
+cdef class DistributedRequest:
+    """_request.pxi"""
+    cdef public object _engine
+    cdef public bint _done
+    cdef public object _error
+    cdef public object op
+    cdef public object source
+    cdef public object tensors
+    cdef public object _peers     # the global ranks it waits on (None: any)
+    cdef public object _lane      # the Lane while this is its pending fast receive
+    cdef public uint64_t _tseq    # its flight-recorder entry (trace.py), 0 if none
+    cpdef _complete(self, error=*)
+
+
+@cython.final
+cdef class _Pend:
+    """_lane.pxi: a pending fast receive: where its message goes and what it must be."""
+    cdef DistributedRequest req
+    cdef Ring ring
+    cdef object arr
+    cdef int src
+    cdef int64_t tag
+    cdef size_t addr
+    cdef uint64_t nbytes
+    cdef bytes dtype16
+
+
+@cython.final
+cdef class Lane:
+    """_lane.pxi"""
+    cdef int rank
+    cdef list outs, ins            # Ring or None, per global rank
+    cdef list send_ops, recv_ops   # the op names of requests, per global rank
+    cdef public dict dtypes        # numpy dtype -> its 16-byte header field, filled by the general path
+    cdef object acquire, release   # the engine's lock
+    cdef dict sendq, rx            # the engine's queues, bound at creation
+    cdef list posted, unexpected
+    cdef object engine
+    cdef object peers              # (src,) tuples, per rank
+    cdef list pend                 # the pending fast receives (_Pend), in posting order
+    cdef public unsigned long long sends, recvs   # operations the lane took whole
+    cdef int64_t a_tag             # what _args found, read at once
+    cdef int64_t a_peer            # the peer _args parsed (for the flight recorder)
+    cdef bytes a_dtype16
+    cdef Backoff backoff
+    cdef int _header(self, uint8_t *hdr, Py_buffer *view, int64_t tag, bytes dtype16) except -1
+    cdef Ring _args(self, arr, peer, tag, list chans)
+    cdef int _drain(self, DistributedRequest req) except -2
+    cdef object _find(self, DistributedRequest req)
+
+
+@cython.final
+cdef class Phaser:
+    """_phaser.pxi"""
+    cdef public uint64_t phase, calls
+    cdef public object broken            # why the group is unusable, or None
+    cdef size_t flags, stride, bell, bufs, slot
+    cdef int n, me
+    cdef object others_ref               # keeps the others' control block addresses alive
+    cdef const uint64_t *others
+    cdef Py_ssize_t nothers
+    cdef Backoff backoff
+    cdef object acquire, release
+    cdef bytes barrier_desc
+    cdef dict kinds                      # numpy dtype -> (reduce_rows kind, its name) for all_reduce
+    cdef uint64_t all_reduce_index
+    cdef public int64_t trace_gid        # the group id its calls are recorded under (-1: not recorded)
+    cdef public uint64_t tseq            # the flight-recorder entry of its last call
+    cdef int _enter(self, const char *desc, size_t nd) except -2
+    cdef int _call(self, const char *desc, size_t nd, void *data, size_t nbytes, int kind,
+                   int op) except -4
+    cpdef object plan(self, dtype, op, name=*)

@@ -536,11 +536,6 @@ def detect(args) -> tuple[list[Backend], list[str]]:
     return backends, notes
 
 
-def shmdist_lacks(kind: str) -> bool:
-    import shmdist
-    return kind in COLLECTIVES and not hasattr(shmdist, kind)
-
-
 def has_torch() -> bool:
     import importlib.util
     return importlib.util.find_spec("torch") is not None
@@ -556,7 +551,7 @@ def measures(b: Backend, kind: str) -> bool:
     if b.key in ("mpi", "shmdist-tcp") and half:
         return False
     if b.key == "shmdist":
-        return not shmdist_lacks(kind) and not (half and not has_torch())
+        return not (half and not has_torch())
     return True
 
 
@@ -887,9 +882,6 @@ def main(argv=None) -> int:
     settings = QUICK if args.quick else FULL
     rows = plan(args.only, args.ranks)
     backends, notes = detect(args)
-    if "shmdist" in args.backends:
-        notes += [f"shmdist has no {k} yet: its rows show n/a" for k in COLLECTIVES
-                  if k in args.only and shmdist_lacks(k)]
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     # Interleaved: each round runs every backend on one kind of figure (and rank count), then the

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from shmdist import group as _g
+from shmdist.fast import paths as _fast
 from shmdist.errors import DistError, DistMismatchError
 from shmdist.reduce_ops import ReduceOp, as_op, check, reduce_into
 from shmdist.request import completed
@@ -134,9 +135,9 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     """Return when every rank of the group has called barrier. ``timeout``
     (seconds or a timedelta, as torch's): this call's limit instead of the group's."""
     seconds = None if timeout is None else _g._seconds(timeout)
-    if group is None and _g._barrier is not None:
-        how = _g._barrier()               # the default group's whole barrier, when the others are there
-        if how > 0 or _g._world.default.coll.quick_barrier(seconds or _g._world.timeout, how):
+    if group is None and _fast.barrier is not None:
+        how = _fast.barrier()             # the default group's whole barrier, when the others are there
+        if how > 0 or _fast.coll.quick_barrier(seconds or _fast.timeout, how):
             return completed("barrier", []) if async_op else None
     w, g, comm = _enter("barrier", group)
     if comm is None:
@@ -162,24 +163,24 @@ def broadcast(tensor, src: int, group=None, async_op=False):
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``tensor`` across the group; every rank ends with the result, in place."""
     quick = op.__class__ is ReduceOp      # the one-call path may apply
-    if quick and group is None and _g._lane is not None:    # the default group's, before any other work
+    if quick and group is None and _fast.lane is not None:    # the default group's, before any other work
         arr, name = tensor, None
         if tensor.__class__ is not np.ndarray:
-            arr = _g.fast_array(tensor)                    # None for bfloat16 (numpy has no such dtype)
+            arr = _fast.array(tensor)                      # None for bfloat16 (numpy has no such dtype)
             if arr is None:
-                arr, name = _g.fast_bf16(tensor), "bfloat16"
-        coll = _g._world.default.coll
+                arr, name = _fast.bf16(tensor), "bfloat16"
+        coll = _fast.coll
         if name is not None and not getattr(coll, "quick_names", False):
             arr = None          # a comm whose quick path takes no dtype name (groups spanning hosts)
-        if arr is not None and (coll.quick_all_reduce(arr, op, _g._world.timeout) if name is None else
-                                coll.quick_all_reduce(arr, op, _g._world.timeout, name)):
+        if arr is not None and (coll.quick_all_reduce(arr, op, _fast.timeout) if name is None else
+                                coll.quick_all_reduce(arr, op, _fast.timeout, name)):
             return completed("all_reduce", [tensor]) if async_op else None
         quick = False
     w, g, comm = _enter("all_reduce", group)
     if comm is None:
         return None
-    if quick:
-        arr = tensor if tensor.__class__ is np.ndarray else _g.fast_array(tensor)
+    if quick and _fast.enabled:
+        arr = tensor if tensor.__class__ is np.ndarray else _fast.array(tensor)
         if arr is not None and comm.quick_all_reduce(arr, op, g.timeout):
             return completed("all_reduce", [tensor]) if async_op else None
     with _refusing(comm, g, "all_reduce"):

@@ -20,63 +20,45 @@ computing garbage, and the group stays usable.
 from __future__ import annotations
 
 import os
-import struct
 import threading
 import time
+from typing import Protocol
 
 import numpy as np
 
-from shmdist import _core, segment
+from shmdist import _core, layout, segment, settings
+from shmdist.fast import paths as _fast
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
+from shmdist.layout import ALL_ROUNDS_DONE, BROKEN, DIFFER, DONE, NOT_TAKEN, NOT_YET
 from shmdist.reduce_ops import ReduceOp, reduce_into, reduce_rows
 from shmdist.tensors import describe
+from shmdist.trace import DONE as TRACE_DONE
 
-CTL_STRIDE = 256                      # per member: phase u64 at 0, descriptors at 64 and 128
-_DESC = struct.Struct("<QQQqq16sQ")   # 0 (reserved), kind, bytes, op, root, dtype, extra
-KINDS = ("barrier", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
-         "reduce_scatter", "all_to_all", "refused")   # refused: a call whose own arguments were bad (op: its kind)
-DEFAULT_SLOT_BYTES = 1 << 20          # per member and buffer; two buffers each
-SLOT_ENV = "SHMDIST_ARENA_BYTES"
+CTL_STRIDE = layout.SLOT_STRIDE       # per member: phase, descriptors of the last two calls (layout.py)
+_DESC = layout.DESC                   # 0 (reserved), kind, bytes, op, root, dtype, extra
+KINDS = layout.KINDS
+SLOT_ENV = "SHMDIST_ARENA_BYTES"      # bytes per member and buffer; two buffers each (settings.py)
 SMALL_ALLREDUCE = 64 << 10            # up to this, every rank reduces the whole vector itself
 SMALL_ALLREDUCE_PAIR = 1 << 20       # the same for 2 ranks: one phase, not 3, for the same bytes moved (perf)
 LIVENESS_PERIOD = 0.2
-ROUND_BYTES = 512 << 10               # most elements' bytes per round of a large all_reduce in C
-ROUND_ENV = "SHMDIST_ROUND_BYTES"
+ROUND_ENV = "SHMDIST_ROUND_BYTES"     # most elements' bytes per round of a large all_reduce (settings.py)
 # More members than cores: every phase waits until each member has been scheduled, so fewer, longer
-# rounds (4 ranks on 2 cores, all_reduce 16 MiB 50-68 -> 20-36 ms, 64 MiB 211-245 -> 104-114 ms) (perf)
+# rounds (4 ranks on 2 cores, all_reduce 16 MiB 50-68 -> 20-36 ms, 64 MiB 211-245 -> 104-114 ms)
 BUSY_SLOT_BYTES, BUSY_ROUND_BYTES = 8 << 20, 4 << 20
 
 
 def slot_bytes() -> int:
-    return _bytes_setting(SLOT_ENV, DEFAULT_SLOT_BYTES)
-
-
-def _bytes_setting(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    value = int(raw, 0) if raw else default
-    if value < 4096 or value % 4096:
-        raise ValueError(f"{name}={raw}: must be a multiple of 4096")
-    return value
+    return settings.get(SLOT_ENV)
 
 
 def _align(n: int, a: int = 4096) -> int:
     return (n + a - 1) // a * a
 
 
-def _parts(count: int, n: int) -> list[tuple[int, int]]:
-    """Split ``count`` elements into n contiguous (start, length) parts."""
-    base, rem = divmod(count, n)
-    out, start = [], 0
-    for j in range(n):
-        length = base + (j < rem)
-        out.append((start, length))
-        start += length
-    return out
-
-
-_BARRIER = _DESC.pack(0, KINDS.index("barrier"), 0, 0, -1, b"", 0)
-_PHASER_KINDS = {np.dtype(t): (kind, np.dtype(t).name.encode())    # the dtypes the C reduction takes
-                 for kind, t in enumerate((np.float32, np.float64, np.int32, np.int64))}
+_parts = layout.parts
+_BARRIER = layout.pack_desc("barrier", 0, 0, -1, b"", 0)
+_PHASER_KINDS = {np.dtype(t): (layout.kind_of(t), t.encode())    # the dtypes the C reduction takes
+                 for t in ("float32", "float64", "int32", "int64")}
 
 
 def _said(what) -> str:
@@ -89,9 +71,9 @@ def open_group(world, group) -> "GroupComm":
     """Create (lowest member) or attach the group's arena. Members only."""
     n = group.size()
     slot = slot_bytes()
-    rounds = _bytes_setting(ROUND_ENV, ROUND_BYTES)   # the creator's settings hold for every member
-    if n > len(os.sched_getaffinity(0)):             # perf: see BUSY_SLOT_BYTES
-        slot, rounds = _bytes_setting(SLOT_ENV, BUSY_SLOT_BYTES), _bytes_setting(ROUND_ENV, BUSY_ROUND_BYTES)
+    rounds = settings.get(ROUND_ENV)   # the creator's settings hold for every member
+    if n > len(os.sched_getaffinity(0)):   # see BUSY_SLOT_BYTES; a setting in the environment still wins
+        slot, rounds = settings.get(SLOT_ENV, BUSY_SLOT_BYTES), settings.get(ROUND_ENV, BUSY_ROUND_BYTES)
     ctl_at = segment.HEADER_BYTES
     data_at = _align(ctl_at + n * CTL_STRIDE)
     size = data_at + 2 * n * slot
@@ -103,12 +85,39 @@ def open_group(world, group) -> "GroupComm":
     key = f"arena/{group.gid}/{members}"
     creator = world.rank == group.ranks[0]
     seg = segment.share(world.store, key, n, creator, size if creator else 0, who, world.timeout,
-                        init=lambda s: struct.pack_into("<QQ", s.mm, 64, slot, rounds))
+                        init=lambda s: layout.PARAMS.pack_into(s.mm, layout.PARAMS_AT, slot, rounds))
     return GroupComm(world, group, seg)
 
 
+class Comm(Protocol):
+    """The collective engine of one group, as collective_api calls it: the
+    shared-arena GroupComm (members on one node) and hier.HierComm (members
+    on several) implement it. Ranks in arguments are group ranks; ``buf``
+    and the addresses are tensors.Buf / their addresses; each call first
+    checks that every member made the same call (``unusable`` and
+    ``disagree`` are the errors), and runs under ``lock``."""
+
+    lock: threading.Lock
+    broken: str | None            # why the group can no longer run collectives
+
+    def barrier(self, timeout: float) -> None: ...
+    def barrier_as(self, kind: str, dtype: str, timeout: float) -> None: ...
+    def refuse(self, kind: str, timeout: float) -> None: ...
+    def quick_barrier(self, timeout: float, how: int | None = None) -> bool: ...
+    def quick_all_reduce(self, arr, op, timeout: float, dtype_name: str | None = None) -> bool: ...
+    def broadcast(self, buf, root: int, timeout: float) -> None: ...
+    def all_reduce(self, buf, arr, op, timeout: float, root: int = -1) -> None: ...
+    def all_gather(self, outs: list, buf, root: int, timeout: float) -> None: ...
+    def scatter(self, ins: list, buf, root: int, timeout: float) -> None: ...
+    def reduce_scatter(self, out_buf, out_arr, ins: list, in_arrs: list, op, timeout: float) -> None: ...
+    def all_to_all(self, outs: list, ins: list, piece: int, dtype: str, timeout: float) -> None: ...
+    def arena_bytes(self) -> int: ...
+    def retire(self, why: str, within: float) -> bool: ...
+    def unlink(self) -> None: ...
+    def close(self) -> None: ...
+
+
 class GroupComm:
-    c_rounds = True        # large all_reduce of common dtypes and ops in C (tests turn it off)
     all_to_all_in_place = True   # an output exactly over its own input: read in a round before written
     quick_names = True     # quick_all_reduce takes a dtype name ("bfloat16" bits as uint16)
     retired: str | None = None   # why the group was destroyed, for a thread still inside a call
@@ -118,7 +127,7 @@ class GroupComm:
         self.n = group.size()
         self.me = group.rank()
         self.rank = world.rank
-        self.slot, self.round_bytes = struct.unpack_from("<QQ", seg.mm, 64)
+        self.slot, self.round_bytes = layout.PARAMS.unpack_from(seg.mm, layout.PARAMS_AT)
         base = seg.addr
         self.ctl = [base + segment.HEADER_BYTES + i * CTL_STRIDE for i in range(self.n)]
         data_at = _align(segment.HEADER_BYTES + self.n * CTL_STRIDE)
@@ -185,21 +194,21 @@ class GroupComm:
 
     def _pass(self, what, timeout: float, desc: bytes | None = None) -> int:
         """Arrive at the next phase and wait for every member. With ``desc``,
-        first publish this call's descriptor; returns -1 when the members'
+        first publish this call's descriptor; returns DIFFER when the members'
         descriptors then differ."""
         how = self.ph.enter(desc)
-        if how:
+        if how != NOT_YET:
             return how
         return self._finish_pass(what, timeout, desc is not None)
 
     def _finish_pass(self, what, timeout: float, compare: bool) -> int:
         """Sleep until every member entered the phase this member entered last;
-        then, with ``compare``, -1 when their last descriptors differ."""
+        then, with ``compare``, DIFFER when their last descriptors differ."""
         self._sleep_until(self.ph.phase, what, timeout)
         if compare and not _core.all_same(self.ctl[0] + self.ph.desc_at, CTL_STRIDE, self.n, _DESC.size):
-            return -1
-        _core.trace_set(self.ph.tseq, 3)   # trace: the call's first phase passed (trace.py)
-        return 1
+            return DIFFER
+        _core.trace_set(self.ph.tseq, TRACE_DONE)   # trace: the call's first phase passed (trace.py)
+        return DONE
 
     def _sleep_until(self, target: int, what, timeout: float) -> None:
         what = _said(what)
@@ -230,19 +239,18 @@ class GroupComm:
     def _first_pass(self, what, desc: tuple | bytes, timeout: float) -> None:
         """The first phase of a call: publish the descriptor (a tuple, or
         already packed), pass, compare."""
-        if self._pass(what, timeout, self._packed(what, desc)) < 0:
+        if self._pass(what, timeout, self._packed(what, desc)) == DIFFER:
             self._mismatch(what)
 
     def _packed(self, what, desc: tuple | bytes) -> bytes:
         """The call's descriptor as its members compare it; refuses a broken group."""
         if self.broken:
-            raise DistError(f"rank {self.rank}: {_said(what)}: group {list(self.group.ranks)} is unusable "
-                            f"since {self.broken}; destroy it and create a new one")
+            raise unusable(self.rank, what, self.group.ranks, self.broken)
         packed = desc if desc.__class__ is bytes else self.packed.get(desc)
         if packed is None:
             kind, nbytes, op, root, dtype, extra = desc
             root = self.group.ranks[root] if root >= 0 else -1
-            packed = _DESC.pack(0, KINDS.index(kind), nbytes, op, root, dtype.encode(), extra)
+            packed = layout.pack_desc(kind, nbytes, op, root, dtype.encode(), extra)
             if len(self.packed) >= 1024:
                 self.packed.clear()
             self.packed[desc] = packed
@@ -252,14 +260,10 @@ class GroupComm:
         """Raise the error for a call the members disagree on (the last one)."""
         parity = (self.calls - 1) % 2
         descs = [self._read_desc(i, parity) for i in range(self.n)]
-        calls = "; ".join(f"rank {self.group.ranks[i]} called {_describe(d)}" for i, d in enumerate(descs))
-        raise mismatch(
-            f"rank {self.rank}: {_said(what)}: the ranks of group {list(self.group.ranks)} disagree on "
-            f"collective #{self.calls}: {calls}. Every rank of a group must call the same "
-            "collectives in the same order, with the same sizes, dtypes, ops and roots", descs)
+        raise disagree(self.rank, what, self.group.ranks, descs, self.calls)
 
     def _desc_at(self, member: int, parity: int) -> int:
-        return self.ctl[member] - self.seg.addr + 64 + 64 * parity
+        return self.ctl[member] - self.seg.addr + layout.SLOT_DESC + layout.DESC_BYTES * parity
 
     def _read_desc(self, member: int, parity: int) -> tuple:
         return _DESC.unpack_from(self.seg.mm, self._desc_at(member, parity))
@@ -321,12 +325,12 @@ class GroupComm:
         ``how``: what Phaser.barrier() returned, when the caller called it."""
         if how is None:
             how = self.ph.barrier()
-        if how > 0:
+        if how > 0:                       # DONE or DONE_SPINNING
             return True
-        if how == -2:
+        if how == BROKEN:
             return False
         try:                              # the Phaser left the lock held
-            if how < 0 or self._finish_pass("barrier", timeout, True) < 0:
+            if how == DIFFER or self._finish_pass("barrier", timeout, True) == DIFFER:
                 self._mismatch("barrier")
         finally:
             self.lock.release()
@@ -340,14 +344,14 @@ class GroupComm:
         having done nothing, when it does not apply. ``dtype_name``:
         "bfloat16" for a uint16 array of bfloat16 bits."""
         how = self.ph.all_reduce(arr, op, self.small, dtype_name)
-        if how > 0:
+        if how > 0:                       # DONE or DONE_SPINNING
             return True
-        if how <= -2:
+        if how == BROKEN or how == NOT_TAKEN:
             return False
         kind, code, _ = self.ph.plan(arr.dtype, op, dtype_name)
         what = lambda: f"all_reduce({op.name}, {describe(arr.nbytes, arr.dtype.name, arr.shape)})"
         try:                              # the Phaser left the lock held
-            if how < 0 or self._finish_pass(what, timeout, True) < 0:
+            if how == DIFFER or self._finish_pass(what, timeout, True) == DIFFER:
                 self._mismatch(what)
             b = (self.phase - 1) % 2
             _core.reduce_rows(kind, code, arr.ctypes.data, self.buffers[0][b], self.row_stride,
@@ -382,7 +386,7 @@ class GroupComm:
             return
         # a round's parts, plus my reduced part, fit the slot; C and Python rounds split alike
         per_round = min((self.slot // isz - 1) * n // (n + 1), self.round_bytes // isz)
-        plan = self.quick.get((buf.dtype, op), False) if self.c_rounds else None
+        plan = self.quick.get((buf.dtype, op), False) if _fast.rounds_in_c() else None
         if plan is False:
             plan = self.quick[(buf.dtype, op)] = self.ph.plan(dtype, op, buf.dtype)
         if plan is not None:
@@ -429,9 +433,9 @@ class GroupComm:
         while True:
             r = self.ph.all_reduce_rounds(addr, arr.size, kind, code, per_round, keep, r,
                                           resume, packed)
-            if r == -1:
+            if r == ALL_ROUNDS_DONE:
                 return
-            if r == -2 or self._finish_pass(what, timeout, r == 0) < 0:
+            if r == DIFFER or self._finish_pass(what, timeout, r == 0) == DIFFER:
                 self._mismatch(what)
             resume = True
 
@@ -518,6 +522,24 @@ class GroupComm:
             for j, dst in enumerate(outs):
                 src = ins[me] + at if j == me else self._buf(j, b) + me * chunk
                 _core.copy(dst + at, src, size)
+
+
+def unusable(rank: int, what, ranks, broken: str) -> DistError:
+    """The error of a call on a group that a failure made unusable (every comm says it so)."""
+    return DistError(f"rank {rank}: {_said(what)}: group {list(ranks)} is unusable since {broken}; destroy "
+                     "it and create a new one")
+
+
+def disagree(rank: int, what, ranks, descs: list, number: int | None = None) -> DistMismatchError:
+    """The error of a call the members of group ``ranks`` disagree on
+    (``descs``: each member's layout.DESC fields; ``number``: which call of
+    the group it was, when counted)."""
+    calls = "; ".join(f"rank {r} called {_describe(d)}" for r, d in zip(ranks, descs))
+    on = f" on collective #{number}" if number is not None else ""
+    return mismatch(
+        f"rank {rank}: {_said(what)}: the ranks of group {list(ranks)} disagree{on}: {calls}. Every rank "
+        "of a group must call the same collectives in the same order, with the same sizes, dtypes, ops "
+        "and roots", descs)
 
 
 def refused(kind: str) -> tuple:

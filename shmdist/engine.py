@@ -17,23 +17,17 @@ send before they receive do not deadlock.
 """
 from __future__ import annotations
 
-import os
-import select
-import struct
 import threading
 import time
 from collections import deque
 
 import numpy as np
 
-from shmdist import _core, trace
+from shmdist import _core, settings, trace
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
-from shmdist.tensors import MAX_DIMS, as_buf, describe
+from shmdist.layout import DONE, HEADER as HDR, MAGIC, MAX_DIMS, VERSION   # the record header (layout.py)
+from shmdist.tensors import as_buf, describe
 
-MAGIC = 0x444D4853  # "SHMD"
-VERSION = 1
-HDR = struct.Struct("<IHHqqiiQ16s8q8x")
-assert HDR.size == _core.HEADER_BYTES
 LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
 COLLECTIVE_GID = 1 << 40  # group ids at and above it carry collectives' own messages
 
@@ -77,8 +71,8 @@ def Backoff(oversubscribed: bool) -> _core.Backoff:
     """The waiting policy of this process (see _core.Backoff): spin up to
     SHMDIST_SPIN pauses (~50 us), or, with more local ranks than cores, no
     spinning but SHMDIST_YIELDS sched_yields before sleeping."""
-    most = 0 if oversubscribed else int(os.environ.get("SHMDIST_SPIN", 4000))
-    yields = int(os.environ.get("SHMDIST_YIELDS", 4)) if oversubscribed else 0
+    most = 0 if oversubscribed else settings.get("SHMDIST_SPIN")
+    yields = settings.get("SHMDIST_YIELDS") if oversubscribed else 0
     return _core.Backoff(most, yields)
 
 
@@ -103,15 +97,20 @@ class _Incoming:
 
 
 class Engine:
-    def __init__(self, rank: int, timeout: float, my_ctl: int, chan_out: dict, chan_in: dict,
-                 peer_pids: dict, peer_ctls: dict, oversubscribed: bool, links: dict | None = None):
+    def __init__(self, rank: int, timeout: float, my_ctl: int, transports: list, oversubscribed: bool):
+        """``transports``: each a transport.Transport; ``my_ctl``: the doorbell
+        this rank's waits sleep on (every transport rings it)."""
         self.rank = rank
         self.timeout = timeout
         self.ctl = my_ctl
+        chan_out, chan_in = {}, {}
+        self.transport_of = {}            # global rank -> the transport that reaches it
+        for t in transports:
+            chan_out.update(t.out)
+            chan_in.update(t.inc)
+            self.transport_of.update(dict.fromkeys(t.out, t))
         self.chan_out = chan_out          # global rank -> channel we produce into
         self.chan_in = list(chan_in.items())   # (global rank, channel we consume)
-        self.peer_ctls = peer_ctls        # global rank -> control block address
-        self.links = links or {}          # global rank -> tcp.Link, for ranks on other hosts
         self.sendq: dict[int, deque] = {}
         self.posted: list[_Recv] = []
         self.rx: dict[int, _Incoming | None] = {src: None for src, _ in self.chan_in}
@@ -120,13 +119,6 @@ class Engine:
         self.dead: dict[int, str] = {}    # peer -> why it is gone
         self.causes: dict[int, str] = {}  # peer that left -> the failure it left over
         self.timed_out = ""               # this rank's first timeout, as its peers should read it
-        self.pidfds = {}
-        for r, pid in peer_pids.items():
-            try:
-                self.pidfds[r] = os.pidfd_open(pid)
-            except (OSError, AttributeError):
-                self.pidfds[r] = None   # already gone, or no pidfd: checked by kill(0)
-        self.peer_pids = peer_pids
         self.backoff = Backoff(oversubscribed)
         self.closed = False
         self.forked = ""                  # in a forked child: why the parent's engine is not its own
@@ -238,7 +230,7 @@ class Engine:
                 if inc is None:
                     if posted:      # the usual case, in one call: a whole record for the next receive
                         r = self._next_posted(src)
-                        if r is not None and chan.take(r.tag, r.gid, r.buf.addr, r.buf.nbytes, r.dtype16) > 0:
+                        if r is not None and chan.take(r.tag, r.gid, r.buf.addr, r.buf.nbytes, r.dtype16) == DONE:
                             posted.remove(r)
                             self._complete_recv(r, src)
                             drain = False
@@ -377,35 +369,16 @@ class Engine:
         """None while ``peer`` lives and takes part; else why not."""
         if peer in self.dead:
             return self.dead[peer]
-        if peer in self.links:
-            link = self.links[peer]
-            gone = link.gone()
-            if gone:
-                self.dead[peer] = gone
-                if link.cause:
-                    self.causes[peer] = link.cause
-            return gone
-        if peer in self.peer_ctls and _core.ctl_closed(self.peer_ctls[peer]):
-            # a clean leave (the rank may have exited since), maybe forced by another's failure
-            cause = _core.ctl_cause(self.peer_ctls[peer]).decode(errors="ignore")
+        transport = self.transport_of.get(peer)
+        if transport is None:
+            return None
+        why, cause, final = transport.gone(peer)
+        if why:
             if cause:
                 self.causes[peer] = cause
-            return left_because(cause)
-        fd = self.pidfds.get(peer, -1)
-        gone = None
-        if fd is None:
-            try:
-                os.kill(self.peer_pids[peer], 0)
-            except ProcessLookupError:
-                gone = "died"
-        elif fd >= 0:
-            p = select.poll()
-            p.register(fd, select.POLLIN)
-            if p.poll(0):
-                gone = "died"
-        if gone:
-            self.dead[peer] = gone
-        return gone
+            if final:
+                self.dead[peer] = why
+        return why
 
     def leave_cause(self) -> str:
         """Why this rank leaves, for its peers to report: the first peer it
@@ -533,7 +506,3 @@ class Engine:
         for req in reqs:
             if req is not None and not req._done:
                 req._complete(self._destroyed(req))
-        for fd in self.pidfds.values():
-            if fd is not None and fd >= 0:
-                os.close(fd)
-        self.pidfds = {}

@@ -11,27 +11,29 @@ import errno
 import hashlib
 import json
 import os
-import sys
 import threading
 
 import numpy as np
 
-from shmdist import collectives, rendezvous
+from shmdist import collectives, rendezvous, settings
 from shmdist import trace   # the flight recorder: hook lines marked "trace:" below
-from shmdist.engine import Engine, dtype_field
+from shmdist.engine import Engine
+from shmdist.fast import paths as _fast
 from shmdist.errors import DistError, DistMismatchError, DistNotInitializedError, DistPeerError
 from shmdist.request import DistributedRequest
 from shmdist.shm import ShmHost
-from shmdist.tensors import as_buf, is_torch_tensor, numpy_view
+from shmdist.tensors import as_buf
 
 DEFAULT_TIMEOUT = 1800.0   # seconds, torch's default for CPU backends
+SUBGROUP_GID_BASE = 1 << 32   # group ids of torch's subgroups (subgroup_gid); new_group's count from 1
 FAILED_INIT_LINGER = 3.0   # seconds the master keeps the store up after a failed init
 BACKENDS = {"shm": "shm", "gloo": "shm", "tcp": "tcp"}
 
 
 def _seconds(timeout) -> float:
     if timeout is None:
-        return float(os.environ.get("SHMDIST_TIMEOUT", DEFAULT_TIMEOUT))
+        value = settings.get("SHMDIST_TIMEOUT")
+        return DEFAULT_TIMEOUT if value is None else value
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
     if not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -91,14 +93,23 @@ class World:
         self.last_gid = 0      # group ids this world handed out; 0 is the default group
 
     def allocate_gid(self) -> int:
-        """The one place shmdist.new_group's group ids come from: the next
-        id, never one handed out before in this world (a failed new_group
-        consumes its id too, so its store keys are never met again). Every
-        rank calls new_group in the same order, so the ids agree. Ids stay
-        below torch.GID_BASE (torch subgroups) and engine.COLLECTIVE_GID."""
+        """shmdist.new_group's group ids: the next id, never one handed out
+        before in this world (a failed new_group consumes its id too, so its
+        store keys are never met again). Every rank calls new_group in the
+        same order, so the ids agree. Ids stay below SUBGROUP_GID_BASE and
+        engine.COLLECTIVE_GID."""
         with self.lock:
             self.last_gid += 1
             return self.last_gid
+
+    def subgroup_gid(self, store, first: bool) -> int:
+        """The id of a group only its members make (torch's new_group calls
+        the backend on members only, so they cannot count locally): the
+        ``first`` member takes the next number of a world-wide counter and
+        leaves it in ``store``, the group's own store, for the others."""
+        if first:
+            store.set("gid", str(SUBGROUP_GID_BASE + self.store.add("torch-groups", 1)).encode())
+        return int(store.get("gid", self.timeout))
 
     def barrier(self, name: str) -> None:
         """Store-based barrier of every rank of the world (set-up only)."""
@@ -138,17 +149,7 @@ class World:
 
 RETIRE_SECONDS = 2.0   # how long destroy waits for another thread to leave a wait before unmapping
 
-_world: World | None = None
-_lane = None    # _world's engine.lane while _world may be used: send/recv try it first
-_barrier = None  # the default group's Phaser.barrier then (shared-memory groups only): barrier tries it
-
-
-def _set_fast(w: "World | None") -> None:
-    """Point the fast paths at ``w`` (None: at nothing, e.g. after destroy)."""
-    global _lane, _barrier
-    _lane = w.engine.lane if w is not None else None
-    coll = w.default.coll if w is not None else None
-    _barrier = coll.ph.barrier if isinstance(coll, collectives.GroupComm) else None
+_world: World | None = None     # the fast paths (fast.paths) point at it while it may be used
 
 
 def world(op: str = "this call") -> World:
@@ -170,7 +171,7 @@ def _forked_why(w: World) -> str:
 
 def _mark_forked() -> None:
     """In a forked child: the inherited group belongs to the parent."""
-    _set_fast(None)
+    _fast.attach(None)
     if _world is not None:
         _world.forked = True
         if _world.engine is not None:   # requests the parent made wait here no more
@@ -189,7 +190,7 @@ def _close_at_exit() -> None:
     so its peers learn it left rather than died."""
     global _world
     w, _world = _world, None
-    _set_fast(None)
+    _fast.attach(None)
     if w is not None:
         w.close()
 
@@ -207,7 +208,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         raise DistError(f"init_process_group: unknown backend '{backend}'; shmdist offers 'shm' "
                         "(shared memory between local ranks), 'tcp', and 'gloo' as a name for 'shm'")
     kind = BACKENDS[name]
-    if os.environ.get("SHMDIST_TRANSPORT", "").lower() == "tcp":
+    if settings.get("SHMDIST_TRANSPORT") == "tcp":
         kind = "tcp"
     seconds = _seconds(timeout)
     if store is None:
@@ -253,7 +254,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                             "the limit (ulimit -n)") from e
         raise
     _world = w
-    _set_fast(w)
+    _fast.set_enabled(settings.get("SHMDIST_FAST"), w)
 
 
 def _setup(w: World) -> None:
@@ -286,20 +287,19 @@ def _setup(w: World) -> None:
     same_machine = [r for r, info in enumerate(infos) if info["host"] == me["host"]]
     store.peers = {r: infos[r]["pid"] for r in same_machine if r != w.rank}   # watched from now on
     oversubscribed = len(same_machine) > len(os.sched_getaffinity(0))
-    out, inc, ctl, peer_ctls, ctl_memory = {}, {}, None, {}, None
+    transports, ctl, ctl_memory = [], None, None
     if w.backend == "shm":
         w.host = ShmHost.open(store, f"seg/{me['host']}", local, w.rank, who, w.timeout)
-        out, inc, ctl, ctl_memory = dict(w.host.out), dict(w.host.inc), w.host.my_ctl, w.host.seg.array
-        peer_ctls = {r: c for r, c in w.host.ctls.items() if r != w.rank}
+        ctl, ctl_memory = w.host.my_ctl, w.host.seg.array
+        transports.append(w.host)
     if remote:
         from shmdist import tcp   # loads only when a job spans hosts
         w.tcp = tcp.Transport(w.rank, remote, store, tcp.job_digest(infos), w.timeout, who,
-                              os.environ.get(rendezvous.SECRET_ENV) or None, ctl, ctl_memory)
-        out.update(w.tcp.links)
-        inc.update(w.tcp.links)
-    peers = {r: infos[r]["pid"] for r in local if r != w.rank}
-    w.engine = Engine(w.rank, w.timeout, w.tcp.ctl if w.tcp else ctl, out, inc, peers, peer_ctls,
-                      oversubscribed, links=w.tcp.links if w.tcp else None)
+                              settings.get(rendezvous.SECRET_ENV), ctl, ctl_memory)
+        transports.append(w.tcp)
+    if w.host is not None:
+        w.host.watch({r: infos[r]["pid"] for r in local if r != w.rank})
+    w.engine = Engine(w.rank, w.timeout, w.tcp.ctl if w.tcp else ctl, transports, oversubscribed)
     w.default = ProcessGroup(w, 0, tuple(range(w.world_size)), w.timeout)
     w.groups.append(w.default)
     w.default.coll = _open_collectives(w, w.default)
@@ -309,6 +309,30 @@ def _setup(w: World) -> None:
                         "may not be its own. Give each job its own port or file, or a job identity "
                         f"({rendezvous.JOB_ENV})")
     w.barrier("init")
+
+
+def open_group(w: World, gid: int, ranks: tuple, timeout: float, made=None) -> ProcessGroup:
+    """The one group factory (new_group, torch's subgroups): the group, its
+    collective engine when this rank is a member (_open_collectives picks it
+    by the members' hosts), then ``made()`` (the members' last agreement),
+    and the group joins the world, so World.close closes it and
+    memory_usage counts it. A failure closes what was opened."""
+    g = ProcessGroup(w, gid, tuple(ranks), timeout)
+    try:
+        if g.is_member:
+            g.coll = _open_collectives(w, g)
+        if made is not None:
+            made()
+    except BaseException:
+        if g.coll is not None:
+            g.coll.close()
+            g.coll = None
+        g.destroyed = True
+        raise
+    with w.lock:
+        w.groups.append(g)
+    trace.group_made(w, g)   # trace: record its collectives
+    return g
 
 
 def _open_collectives(w: World, g: ProcessGroup):
@@ -328,7 +352,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     w = world("destroy_process_group")
     if group is None or group is w.default:
         _world = None
-        _set_fast(None)
+        _fast.attach(None)
         w.close()
         return
     group.destroyed = True
@@ -384,7 +408,7 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
         raise DistError(f"{who}: ranks {members} repeat a rank; list each rank once")
     members = tuple(sorted(members))
     gid = w.allocate_gid()   # every rank, whatever happens next: ids stay in step and are never reused
-    g = ProcessGroup(w, gid, members, _seconds(timeout) if timeout is not None else w.timeout)
+    seconds = _seconds(timeout) if timeout is not None else w.timeout
     # Agree on the members first, through the store, before any arena exists:
     # ranks that disagree then fail with the mismatch and map nothing.
     sig = _members_digest(members)
@@ -403,19 +427,8 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
         raise DistMismatchError(f"{who}: this rank asked for a group of ranks {list(members)}, but {others} "
                                 f"(only {agree} of {w.world_size} ranks agree); every rank must call new_group "
                                 "with the same ranks, in the same order")
-    try:
-        if g.is_member:
-            g.coll = _open_collectives(w, g)
-        w.barrier(f"group/{gid}/made")   # the last store call: rank 0 may leave right after it
-    except BaseException:
-        if g.coll is not None:
-            g.coll.close()
-            g.coll = None
-        g.destroyed = True
-        raise
-    w.groups.append(g)
-    trace.group_made(w, g)   # trace: record its collectives
-    return g
+    # the last store call: rank 0 may leave right after it
+    return open_group(w, gid, members, seconds, made=lambda: w.barrier(f"group/{gid}/made"))
 
 
 def _members_digest(members) -> str:
@@ -453,72 +466,21 @@ def _tag(w, tag, op) -> int:
     return tag
 
 
-_Tensor = None   # torch.Tensor, once the first torch tensor came: its plain CPU tensors take the
-                 # fast paths as numpy views
-
-
-def fast_array(tensor) -> np.ndarray | None:
-    """``tensor`` itself when it is a numpy array, a numpy view of a plain
-    C-contiguous torch CPU tensor (no autograd, no conjugate or negative bit,
-    a dtype numpy has), else None: what the fast paths may take."""
-    global _Tensor
-    if tensor.__class__ is np.ndarray:
-        return tensor
-    if tensor.__class__ is not _Tensor:
-        if _Tensor is not None or not is_torch_tensor(tensor):
-            return None
-        _Tensor = sys.modules["torch"].Tensor
-        if tensor.__class__ is not _Tensor:       # a subclass (Parameter...): the general way
-            return None
-    if tensor.requires_grad:
-        return None
-    try:
-        return numpy_view(tensor)                   # tensor.numpy()'s view, cached (shmdist.tensors)
-    except (RuntimeError, TypeError, ValueError):   # data_ptr() of a layout that has none
-        return None
-
-
-def fast_bf16(tensor) -> np.ndarray | None:
-    """The bits of a plain torch CPU bfloat16 tensor as a uint16 numpy view
-    (what fast_array gives for other dtypes), else None. Only for the quick
-    all_reduce, which is told the dtype's name: the lane's dtype table is
-    keyed by numpy dtype, where bfloat16 and uint16 look alike."""
-    if tensor.__class__ is not _Tensor:       # _Tensor: set by fast_array's first torch tensor
-        return None
-    torch = sys.modules["torch"]
-    if tensor.dtype is not torch.bfloat16 or tensor.requires_grad or tensor.is_neg():
-        return None
-    try:
-        return tensor.view(torch.int16).numpy().view(np.uint16)
-    except (RuntimeError, TypeError, ValueError):   # another device or layout
-        return None
-
-
-def _learn(w: World, tensor, buf) -> None:
-    """Teach the fast lane a dtype the general path accepted, by its numpy dtype."""
-    if tensor.__class__ is not np.ndarray:
-        tensor = fast_array(tensor)
-        if tensor is None:
-            return
-    if tensor.dtype.name != buf.dtype or not tensor.dtype.isnative:   # the lane moves raw bytes
-        return
-    w.engine.lane.dtypes[tensor.dtype] = dtype_field(buf.dtype)
-
-
 def send(tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> DistributedRequest:
     """Send ``tensor`` to global rank ``dst``. Returns at once; ``wait()``
     returns when the bytes are handed over (the tensor may be reused then)."""
-    if _lane is not None and group is None:
-        arr = tensor if tensor.__class__ is np.ndarray else fast_array(tensor)
+    lane = _fast.lane
+    if lane is not None and group is None:
+        arr = tensor if tensor.__class__ is np.ndarray else _fast.array(tensor)
         if arr is not None:
-            req = _lane.send(arr, dst, tag)
+            req = lane.send(arr, dst, tag)
             if req is not None:
                 return req
     w, g = _group(group, "send")
     _member(w, g, "send")
     dst = _peer(w, g, dst, "send", "dst")
     buf = as_buf(tensor, writable=False, who=f"rank {w.rank}: send")
-    _learn(w, tensor, buf)
+    _fast.learn(w.engine, tensor, buf)
     req = DistributedRequest(w.engine, f"send to rank {dst}")
     trace.p2p(req, True, g.gid, dst, _tag(w, tag, "send"), buf)   # trace
     w.engine.send(req, buf, dst, g.gid, _tag(w, tag, "send"))
@@ -529,10 +491,11 @@ def recv(tensor, src: int | None = None, group: ProcessGroup | None = None,
          tag: int = 0) -> DistributedRequest:
     """Receive into ``tensor`` from global rank ``src`` (any rank when None).
     The request's ``source`` tells the sender once complete."""
-    if _lane is not None and group is None and src is not None:
-        arr = tensor if tensor.__class__ is np.ndarray else fast_array(tensor)
+    lane = _fast.lane
+    if lane is not None and group is None and src is not None:
+        arr = tensor if tensor.__class__ is np.ndarray else _fast.array(tensor)
         if arr is not None:
-            req = _lane.recv(arr, src, tag)
+            req = lane.recv(arr, src, tag)
             if req is not None:
                 if arr is not tensor:
                     req.tensors = [tensor]
@@ -542,7 +505,7 @@ def recv(tensor, src: int | None = None, group: ProcessGroup | None = None,
     if src is not None:
         src = _peer(w, g, src, "recv", "src")
     buf = as_buf(tensor, writable=True, who=f"rank {w.rank}: recv")
-    _learn(w, tensor, buf)
+    _fast.learn(w.engine, tensor, buf)
     req = DistributedRequest(w.engine, f"recv from rank {src}" if src is not None else "recv from any rank",
                              [tensor])
     trace.p2p(req, False, g.gid, src, _tag(w, tag, "recv"), buf)   # trace

@@ -28,15 +28,13 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from shmdist import _core, collectives, inter
-from shmdist.collectives import KINDS
+from shmdist import _core, collectives, inter, layout
 from shmdist.engine import COLLECTIVE_GID
 from shmdist.errors import DistError, DistPeerError, DistTimeoutError
 from shmdist.reduce_ops import ReduceOp, _from_f32, _to_f32, reduce_into
 from shmdist.request import DistributedRequest
 from shmdist.tensors import Buf, as_buf
 
-DESC_WORDS = 8   # kind, bytes, op, root, dtype (16 bytes), extra
 TAG = 0
 
 
@@ -75,7 +73,8 @@ def _piece(addr: int, nbytes: int) -> Buf:
 
 
 class HierComm:
-    """The methods of collectives.GroupComm, for a group spanning nodes."""
+    """collectives.Comm for a group spanning nodes (GroupComm is the one for
+    a group inside one node)."""
 
     def __init__(self, world, group, nodes: list[list[int]], comm):
         self.world, self.group, self.comm = world, group, comm
@@ -166,14 +165,11 @@ class HierComm:
     def _check(self, what: str, desc: tuple, timeout: float) -> None:
         """Compare every member's descriptor of this call (see the module doc)."""
         if self.broken:
-            raise DistError(f"rank {self.rank}: {what}: group {list(self.group.ranks)} is unusable "
-                            f"since {self.broken}; destroy it and create a new one")
+            raise collectives.unusable(self.rank, what, self.group.ranks, self.broken)
         kind, nbytes, op, root, dtype, extra = desc
-        mine = np.zeros(DESC_WORDS, dtype=np.int64)
-        mine[:4] = KINDS.index(kind), nbytes, op, self.group.ranks[root] if root >= 0 else -1
-        mine[4:6] = np.frombuffer(dtype.encode()[:16].ljust(16, b"\0"), dtype=np.int64)
-        mine[6] = extra
-        table = np.zeros((self.n, DESC_WORDS), dtype=np.int64)
+        mine = np.frombuffer(layout.pack_desc(kind, nbytes, op, self.group.ranks[root] if root >= 0 else -1,
+                                              dtype.encode(), extra), dtype=np.int64)
+        table = np.zeros((self.n, layout.DESC_WORDS), dtype=np.int64)
         rows = {r: table[i] for i, r in enumerate(self.order)}
         if self.comm:
             with self._step(what):
@@ -189,11 +185,8 @@ class HierComm:
         self._local_broadcast(as_buf(table, writable=True, who=f"rank {self.rank}: {what}"),
                               self.local[0], what, timeout)
         if (table != table[0]).any():
-            calls = "; ".join(f"rank {r} called {_describe(rows[r])}" for r in self.group.ranks)
-            raise collectives.mismatch(
-                f"rank {self.rank}: {what}: the ranks of group {list(self.group.ranks)} disagree: {calls}. "
-                "Every rank of a group must call the same collectives in the same order, with the same "
-                "sizes, dtypes, ops and roots", [_desc(rows[r]) for r in self.group.ranks])
+            descs = [_desc(rows[r]) for r in self.group.ranks]
+            raise collectives.disagree(self.rank, what, self.group.ranks, descs)
 
     def _block(self, table: np.ndarray, node: int) -> Buf:
         """The table rows of one node's members, as a buffer."""
@@ -231,10 +224,10 @@ class HierComm:
         if not home:
             self._local_broadcast(buf, self.local[0], what, timeout)
 
-    def quick_barrier(self, timeout: float) -> bool:
+    def quick_barrier(self, timeout: float, how: int | None = None) -> bool:
         return False    # across hosts the general calls below do everything
 
-    def quick_all_reduce(self, arr, op, timeout: float) -> bool:
+    def quick_all_reduce(self, arr, op, timeout: float, dtype_name: str | None = None) -> bool:
         return False
 
     def all_reduce(self, buf, arr: np.ndarray, op: ReduceOp, timeout: float, root: int = -1) -> None:
@@ -358,10 +351,6 @@ class HierComm:
 
 
 def _desc(row: np.ndarray) -> tuple:
-    """A table row as the descriptor tuple collectives._describe reads."""
-    kind, nbytes, op, root = (int(x) for x in row[:4])
-    return (0, kind, nbytes, op, root, row[4:6].tobytes(), int(row[6]))
+    """A table row (a packed layout.DESC) as the descriptor tuple collectives._describe reads."""
+    return layout.DESC.unpack(row.tobytes())
 
-
-def _describe(row: np.ndarray) -> str:
-    return collectives._describe(_desc(row))

@@ -27,6 +27,8 @@ import hashlib
 import os
 import socket
 
+from shmdist import settings
+
 HOST_ENV = "SHMDIST_HOST_ID"
 ADDR_ENV = "SHMDIST_TCP_ADDR"
 _NAMESPACES = ("/proc/self/ns/net", "/dev/shm", "/proc/self/ns/pid", "/proc/self/ns/ipc")
@@ -50,7 +52,7 @@ def identity_parts() -> list[str]:
 
 
 def host_identity() -> str:
-    forced = os.environ.get(HOST_ENV)
+    forced = settings.get(HOST_ENV)
     if forced:
         return forced
     return hashlib.sha1("|".join(identity_parts()).encode()).hexdigest()[:16]
@@ -95,7 +97,7 @@ def route_address(host: str, port: int) -> str | None:
 
 
 def listen_address(store, who: str = "") -> str:
-    forced = os.environ.get(ADDR_ENV)
+    forced = settings.get(ADDR_ENV)
     if forced:
         return forced
     master = master_of(store)

@@ -43,6 +43,7 @@ import os
 import socket
 import time
 
+from shmdist import settings
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
 
 ENV = "SHMDIST_INTER"
@@ -73,7 +74,7 @@ def _under_mpi() -> bool:
 
 
 def choose() -> str:
-    want = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    want = settings.get(ENV)
     if want not in CHOICES:
         raise DistError(f"{ENV}={want!r}: expected one of {', '.join(CHOICES)}")
     if want == "auto":
@@ -125,7 +126,7 @@ def prepare() -> None:
                    f"{launch.world_size}")
     if why:
         _mpi_unusable = why
-        if os.environ.get(ENV, "auto").strip().lower() == "mpi":
+        if settings.get(ENV) == "mpi":
             raise DistError(f"{ENV}=mpi: {why}; install mpi4py built against this MPI, or set {ENV}=gloo or tcp")
         log.info("inter-host engine: not MPI: %s", why)
 
@@ -178,7 +179,7 @@ def for_comm(comm):
     comm.host_names = host_names(comm)
     kind = choose()
     if _chosen != kind:
-        log.info("inter-host engine: %s (%s=%s)", kind, ENV, os.environ.get(ENV, "auto"))
+        log.info("inter-host engine: %s (%s=%s)", kind, ENV, settings.get(ENV))
     _chosen = kind
     if kind == "tcp":
         return None

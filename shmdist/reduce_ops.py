@@ -11,22 +11,12 @@ import enum
 
 import numpy as np
 
-from shmdist import _core
+from shmdist import _core, layout
 from shmdist.errors import DistError
 
-
-class ReduceOp(enum.IntEnum):
-    SUM = 0
-    PRODUCT = 1
-    MIN = 2
-    MAX = 3
-    BAND = 4
-    BOR = 5
-    BXOR = 6
-    AVG = 7
-
-    def __repr__(self) -> str:
-        return f"ReduceOp.{self.name}"
+# SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR, AVG: the codes of layout.OPS, which the C kernels share
+ReduceOp = enum.IntEnum("ReduceOp", [(name, code) for code, name in enumerate(layout.OPS)], module=__name__)
+ReduceOp.__repr__ = lambda self: f"ReduceOp.{self.name}"
 
 
 _UFUNC = {

@@ -22,6 +22,7 @@ import threading
 import time
 from urllib.parse import urlparse, unquote
 
+from shmdist import settings
 from shmdist.errors import DistError, DistTimeoutError
 
 SECRET_ENV = "SHMDIST_SECRET"
@@ -83,7 +84,7 @@ def job_identity() -> str:
     (shmdist-run sets it), else torchrun's TORCHELASTIC_RUN_ID, else Slurm's
     job and step ids; "" if none."""
     for name in (JOB_ENV, "TORCHELASTIC_RUN_ID"):
-        value = os.environ.get(name, "")
+        value = settings.get(name) if name == JOB_ENV else os.environ.get(name, "")
         if value and value != "none":
             return value[:MAX_JOB_ID]
     if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID"):   # srun: one job step
@@ -487,7 +488,7 @@ class TCPStore:
                  scheme: str = "tcp://", secret: str | None = None, job: str | None = None):
         self.host, self.port, self.timeout = host, port, timeout
         self.scheme = scheme
-        self.secret = secret if secret is not None else os.environ.get(SECRET_ENV) or None
+        self.secret = secret if secret is not None else settings.get(SECRET_ENV)
         self.job = job_identity() if job is None else job
         self.server = None
         self.sock = None
@@ -698,7 +699,7 @@ class FileStore:
     def __init__(self, path: str, world_size: int, timeout: float, secret: str | None = None,
                  job: str | None = None):
         self.path, self.world_size, self.timeout = path, world_size, timeout
-        self.secret = secret if secret is not None else os.environ.get(SECRET_ENV) or None
+        self.secret = secret if secret is not None else settings.get(SECRET_ENV)
         self.job = job_identity() if job is None else job
         self.closed = True
         self.store_id = b""

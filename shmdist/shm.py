@@ -11,12 +11,13 @@ Layout (offsets in bytes):
 from __future__ import annotations
 
 import os
-import struct
+import select
 
-from shmdist import _core, segment
+from shmdist import _core, layout, segment, settings
+from shmdist.engine import left_because
 
-_LAYOUT = struct.Struct("<QQ")          # ring bytes, local ranks; after the segment header
-_LAYOUT_AT = 64
+_LAYOUT = layout.PARAMS                 # ring bytes, local ranks; after the segment header
+_LAYOUT_AT = layout.PARAMS_AT
 RING_BYTES_BY_RANKS = ((4, 2 << 20), (8, 1 << 20))   # up to N local ranks: bytes per ordered pair
 SMALL_RING_BYTES = 1 << 18                          # beyond: 16 ranks stay under 64 MiB
 RING_ENV = "SHMDIST_RING_BYTES"
@@ -28,9 +29,9 @@ def stream_bytes() -> int:
     (0 turns them off), else half the last-level cache (at least 8 MiB).
     A destination that big would not stay in the cache anyway, so writing
     it around the cache saves reading every line before it is overwritten."""
-    raw = os.environ.get(STREAM_ENV)
-    if raw:
-        return int(raw, 0)
+    value = settings.get(STREAM_ENV)
+    if value is not None:
+        return value
     return max(last_level_cache() // 2, 8 << 20)
 
 
@@ -53,17 +54,11 @@ def last_level_cache() -> int:
     return max(sizes, default=0)
 
 
-_core.set_stream_min(stream_bytes())
-
-
 def ring_bytes_for(nlocal: int) -> int:
     """Ring size per ordered pair: SHMDIST_RING_BYTES, else by rank count.
     With few ranks a 1 MiB message and its header fit in one ring fill."""
-    raw = os.environ.get(RING_ENV)
-    if raw:
-        value = int(raw, 0)
-        if value < 4096 or value & (value - 1):
-            raise ValueError(f"{RING_ENV}={raw}: the ring size must be a power of two >= 4096")
+    value = settings.get(RING_ENV)
+    if value is not None:
         return value
     return next((size for most, size in RING_BYTES_BY_RANKS if nlocal <= most), SMALL_RING_BYTES)
 
@@ -73,8 +68,8 @@ def _align(n: int, a: int = 4096) -> int:
 
 
 def segment_bytes(nlocal: int, ring_bytes: int) -> int:
-    rings_at = _align(segment.HEADER_BYTES + nlocal * _core.CTL_BYTES)
-    return rings_at + nlocal * (nlocal - 1) * (_core.RING_CTL_BYTES + ring_bytes)
+    rings_at = _align(segment.HEADER_BYTES + nlocal * layout.CTL_BYTES)
+    return rings_at + nlocal * (nlocal - 1) * (layout.RING_CTL_BYTES + ring_bytes)
 
 
 class ShmHost:
@@ -83,6 +78,7 @@ class ShmHost:
     @staticmethod
     def open(store, key: str, local_ranks: list[int], rank: int, who: str, timeout: float) -> "ShmHost":
         """Create (lowest local rank) or attach the host segment, and map it."""
+        _core.set_stream_min(stream_bytes())    # this process's receives, from now on
         n = len(local_ranks)
         creator = rank == local_ranks[0]
         size = ring = 0
@@ -105,20 +101,65 @@ class ShmHost:
         self.local_ranks = local_ranks
         self.me = local_ranks.index(rank)
         base = seg.addr
-        self.ctls = {r: base + segment.HEADER_BYTES + i * _core.CTL_BYTES
+        self.ctls = {r: base + segment.HEADER_BYTES + i * layout.CTL_BYTES
                      for i, r in enumerate(local_ranks)}
-        rings_at = _align(segment.HEADER_BYTES + n * _core.CTL_BYTES)
-        stride = _core.RING_CTL_BYTES + self.ring_bytes
+        rings_at = _align(segment.HEADER_BYTES + n * layout.CTL_BYTES)
+        stride = layout.RING_CTL_BYTES + self.ring_bytes
 
         def ring(s: int, d: int, other: int):
             idx = s * (n - 1) + (d if d < s else d - 1)
             at = base + rings_at + idx * stride
-            return _core.Ring(at, at + _core.RING_CTL_BYTES, self.ring_bytes, self.ctls[other])
+            return _core.Ring(at, at + layout.RING_CTL_BYTES, self.ring_bytes, self.ctls[other])
 
         self.out = {r: ring(self.me, i, r) for i, r in enumerate(local_ranks) if i != self.me}
         self.inc = {r: ring(i, self.me, r) for i, r in enumerate(local_ranks) if i != self.me}
         self.my_ctl = self.ctls[rank]
+        self.peer_pids: dict = {}
+        self.pidfds: dict = {}
         _core.ctl_set_pid(self.my_ctl, os.getpid())
+
+    @property
+    def ctl(self) -> int:
+        return self.my_ctl
+
+    def watch(self, pids: dict) -> None:
+        """Watch the local peers' processes (global rank -> pid): a pidfd
+        each, polled by gone(). Called once their pids are known."""
+        self.peer_pids = dict(pids)
+        self.pidfds = {}
+        for r, pid in pids.items():
+            try:
+                self.pidfds[r] = os.pidfd_open(pid)
+            except (OSError, AttributeError):
+                self.pidfds[r] = None   # already gone, or no pidfd: checked by kill(0)
+
+    def gone(self, peer: int) -> tuple[str | None, str, bool]:
+        """transport.Transport.gone: a peer that closed its control block
+        left (maybe over another's failure: its cause); one whose process
+        ended without closing it died."""
+        ctl = self.ctls.get(peer)
+        if ctl is not None and _core.ctl_closed(ctl):
+            # a clean leave (the rank may have exited since), maybe forced by another's failure
+            cause = _core.ctl_cause(ctl).decode(errors="ignore")
+            return left_because(cause), cause, False
+        fd = self.pidfds.get(peer, -1)
+        if fd is None:
+            try:
+                os.kill(self.peer_pids[peer], 0)
+            except ProcessLookupError:
+                return "died", "", True
+        elif fd >= 0:
+            p = select.poll()
+            p.register(fd, select.POLLIN)
+            if p.poll(0):
+                return "died", "", True
+        return None, "", False
+
+    def unwatch(self) -> None:
+        for fd in self.pidfds.values():
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.pidfds = {}
 
     def memory(self) -> dict:
         n = len(self.local_ranks)
@@ -134,6 +175,7 @@ class ShmHost:
         ``unmap`` the memory stays mapped (a thread may still read it)."""
         if os.getpid() != self.seg.pid:
             return
+        self.unwatch()
         _core.ctl_close(self.my_ctl, cause.encode())   # cut to CAUSE_BYTES there
         for r, ctl in self.ctls.items():
             _core.ring_bell(ctl)

@@ -45,11 +45,11 @@ import warnings
 
 import numpy as np
 
-from shmdist import _core
-from shmdist.engine import HDR, MAGIC, VERSION, left_because
+from shmdist import _core, settings
+from shmdist.engine import left_because
 from shmdist.errors import DistError, DistPeerError, DistTimeoutError
+from shmdist.layout import CTL_BYTES, HEADER as HDR, HEADER_BYTES, MAGIC, MAX_DIMS, VERSION, record_bytes
 from shmdist.rendezvous import SECRET_ENV, recv_exact
-from shmdist.tensors import MAX_DIMS
 
 ADDR_ENV = "SHMDIST_TCP_ADDR"   # the address this rank listens on, when the default is wrong
 HELLO = struct.Struct("<IHHi16s32s")   # magic, version, 0, rank, nonce, job digest
@@ -139,7 +139,7 @@ class Link:
         self.armed = 0               # poll events the I/O thread watches for us
         self.broken: str | None = None
         self.cause = ""              # the failure the peer said it left over (its goodbye)
-        self.head = bytearray(_core.HEADER_BYTES)
+        self.head = bytearray(HEADER_BYTES)
         self.got = 0                 # bytes of the next header received
 
     # ------------------------------------------------------------ channel interface
@@ -148,21 +148,21 @@ class Link:
         """Send what the socket takes of one record from offset ``pos``."""
         if self.broken or self.armed & select.POLLOUT:
             return pos
-        end = _core.HEADER_BYTES + nbytes
+        end = HEADER_BYTES + nbytes
         try:
             while pos < end:
-                if pos < _core.HEADER_BYTES:
+                if pos < HEADER_BYTES:
                     parts = [memoryview(header)[pos:]] + ([_memory(addr, nbytes)] if nbytes else [])
                     pos += self.sock.sendmsg(parts)
                 else:
-                    pos += self.sock.send(_memory(addr + pos - _core.HEADER_BYTES, end - pos))
+                    pos += self.sock.send(_memory(addr + pos - HEADER_BYTES, end - pos))
         except BlockingIOError:
             self._arm(select.POLLOUT)
             return pos
         except OSError as e:
             self._break(f"closed its connection ({e.strerror})")
             return pos
-        return _core.record_bytes(nbytes)
+        return record_bytes(nbytes)
 
     def take(self, tag: int, gid: int, addr: int, nbytes: int, dtype16: bytes) -> int:
         """No one-call receive over a socket: the engine reads the header first."""
@@ -172,7 +172,7 @@ class Link:
         """The next record's header once it has fully arrived and is well formed."""
         if self.broken or self.armed & select.POLLIN:
             return None
-        while self.got < _core.HEADER_BYTES:
+        while self.got < HEADER_BYTES:
             n = self._read(memoryview(self.head)[self.got:])
             if not n:
                 return None
@@ -191,15 +191,15 @@ class Link:
     def pull(self, addr: int, nbytes: int, pos: int) -> int:
         """Receive what has arrived of the payload after a peeked header,
         straight into ``addr``."""
-        if pos < _core.HEADER_BYTES:
-            pos, self.got = _core.HEADER_BYTES, 0
-        end = _core.HEADER_BYTES + nbytes
+        if pos < HEADER_BYTES:
+            pos, self.got = HEADER_BYTES, 0
+        end = HEADER_BYTES + nbytes
         while pos < end and not (self.broken or self.armed & select.POLLIN):
-            n = self._read(_memory(addr + pos - _core.HEADER_BYTES, end - pos))
+            n = self._read(_memory(addr + pos - HEADER_BYTES, end - pos))
             if not n:
                 break
             pos += n
-        return _core.record_bytes(nbytes) if pos == end else pos
+        return record_bytes(nbytes) if pos == end else pos
 
     def gone(self) -> str | None:
         """None while the connection is up; else what happened to it."""
@@ -337,7 +337,7 @@ class Transport:
         self.rank = rank
         self.secret = secret
         if ctl is None:
-            ctl_memory = np.frombuffer(mmap.mmap(-1, _core.CTL_BYTES), dtype=np.uint8)
+            ctl_memory = np.frombuffer(mmap.mmap(-1, CTL_BYTES), dtype=np.uint8)
             ctl = ctl_memory.ctypes.data
         self.ctl, self.ctl_memory = ctl, ctl_memory
         self.lock = threading.Lock()
@@ -353,6 +353,19 @@ class Transport:
             self.close()
             raise
         self.thread.start()
+
+    @property
+    def out(self) -> dict:
+        return self.links          # a link carries both directions
+
+    inc = out
+
+    def gone(self, peer: int) -> tuple[str | None, str, bool]:
+        """transport.Transport.gone: a closed connection is final; its
+        goodbye, if one came, says why the peer left."""
+        link = self.links[peer]
+        why = link.gone()
+        return why, (link.cause if why else ""), bool(why)
 
     # ------------------------------------------------------------ connections
 

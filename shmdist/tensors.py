@@ -14,8 +14,6 @@ import numpy as np
 from shmdist import _core
 from shmdist.errors import DistError
 
-MAX_DIMS = 8  # dims carried in a message header; more still work, by element count
-
 
 class Buf:
     """One tensor's memory, ready for the core.

@@ -38,7 +38,6 @@ from shmdist.errors import DistError, DistTimeoutError
 from shmdist.reduce_ops import ReduceOp
 
 BACKEND = "shm"
-GID_BASE = 1 << 32   # shmdist group ids of torch subgroups; shmdist.new_group counts from 1
 
 _Red = dist.ReduceOp.RedOpType
 _OPS = {
@@ -633,15 +632,8 @@ def _subgroup(opts) -> ShmProcessGroup:
             "the shm backend; call torch.distributed.init_process_group(backend='shm') to make "
             "shm subgroups (gloo subgroups of an shm default group work)")
     w = groups.world("new_group")
-    store = rendezvous.PrefixStore("shmdist/", opts.store)
-    if opts.group_rank == 0:
-        store.set("gid", str(GID_BASE + w.store.add("torch-groups", 1)).encode())
-    gid = int(store.get("gid", w.timeout))
-    g = groups.ProcessGroup(w, gid, ranks, opts.timeout.total_seconds())
-    g.coll = groups._open_collectives(w, g)
-    with w.lock:
-        w.groups.append(g)
-    trace.group_made(w, g)   # the flight recorder records its collectives (trace.py)
+    gid = w.subgroup_gid(rendezvous.PrefixStore("shmdist/", opts.store), opts.group_rank == 0)
+    g = groups.open_group(w, gid, ranks, opts.timeout.total_seconds())
     return ShmProcessGroup(g, is_default=False)
 
 

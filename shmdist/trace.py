@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 
-from shmdist import _core, errors
+from shmdist import _core, errors, settings
 
 MAGIC = int.from_bytes(b"SHMDTRC1", "little")
 VERSION = 1
@@ -62,7 +62,7 @@ _COARSE = getattr(time, "CLOCK_MONOTONIC_COARSE", 6)   # Linux's number; the C w
 
 
 def enabled() -> bool:
-    return os.environ.get(TRACE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return settings.get(TRACE_ENV)
 
 
 def _now() -> int:
@@ -109,7 +109,7 @@ _local = threading.local()
 
 
 def _capacity() -> int:
-    raw = os.environ.get(SIZE_ENV, "")
+    raw = settings.get(SIZE_ENV) or ""
     try:
         n = int(raw) if raw else DEFAULT_SIZE
     except ValueError:
@@ -137,7 +137,7 @@ def start(rank: int, world_size: int) -> None:
     struct.pack_into("<qq", _own.mm, 40, rank, world_size)
     _own.set_state(LIVE)
     _own.meta = {}
-    _own.set_meta(job=os.environ.get("SHMDIST_JOB_ID", ""), rank=rank, world_size=world_size,
+    _own.set_meta(job=settings.get("SHMDIST_JOB_ID"), rank=rank, world_size=world_size,
                   groups={"0": list(range(world_size))})
     _world_size = world_size
     _core.trace_attach(_own.addr, _own.capacity)
@@ -662,7 +662,7 @@ _errors_seen: list = []
 def write_history(error_text: str = "", diagnosis: str = "") -> list[str]:
     """Write this rank's history into SHMDIST_TRACE_DIR (JSON, and torch's
     flight-recorder pickle). Returns the paths written."""
-    where = os.environ.get(DIR_ENV)
+    where = settings.get(DIR_ENV)
     ring = own_ring()
     if not where or ring is None:
         return []
@@ -698,7 +698,7 @@ def on_error(e: BaseException) -> None:
         for x in own_ring().entries():
             if x.thread == me and (x.state == WAITING or (x.is_coll and x.open)):   # what it waited in
                 _core.trace_set(x.seq, FAILED)
-        if os.environ.get(DIR_ENV):
+        if settings.get(DIR_ENV):
             write_history(str(e.args[0]) if e.args else type(e).__name__, table or local_report())
     except Exception as problem:   # noqa: BLE001 - a diagnostic must never hide the error itself
         print(f"shmdist: flight recorder: {type(problem).__name__}: {problem}", file=sys.stderr)

@@ -3,6 +3,10 @@
 ``run_ranks``  runs a module-level function as N ranks in real processes and
                returns what each returned (see tests/ranks.py for the details).
 
+``transport``  runs a test over shared memory and over TCP (SHMDIST_TRANSPORT=tcp).
+
+``no_fast_paths``  turns every fast path off (SHMDIST_FAST=0), in the ranks too.
+
 ``no_leaks``   (autouse) gives every test its own SHMDIST_JOB_ID. Segments
                have no name (memfd), so nothing of a test should ever appear
                under /dev/shm; as a belt, after the test it fails the test if
@@ -24,6 +28,28 @@ import pytest
 import ranks
 
 _test_number = itertools.count()
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def transport(request, monkeypatch):
+    """The transport the ranks of the test use: shared memory, or TCP
+    (SHMDIST_TRANSPORT=tcp: every rank its own node, so every byte and every
+    collective goes over sockets and the hierarchical engine). A test that
+    uses it runs once per transport; ``indirect`` parametrization picks one."""
+    if request.param == "tcp":
+        monkeypatch.setenv("SHMDIST_TRANSPORT", "tcp")
+    else:
+        monkeypatch.delenv("SHMDIST_TRANSPORT", raising=False)
+    return request.param
+
+
+@pytest.fixture
+def no_fast_paths(monkeypatch):
+    """Every fast path off (shmdist/fast.py: the lane, the one-call barrier and
+    all_reduce, the C rounds), here and in the ranks this test spawns."""
+    from shmdist import fast
+    monkeypatch.setenv("SHMDIST_FAST", "0")
+    monkeypatch.setattr(fast.paths, "enabled", False)
 
 
 @pytest.fixture

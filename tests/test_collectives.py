@@ -385,8 +385,13 @@ def assert_all_good(results, members=None):
 ODD_SIZES = {2: [1, 1023, 65537], 3: [1, 1023, 65537], 4: [1, 1023, 65537], 8: [1, 1023]}
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
-def test_reductions_match_numpy(run_ranks, world_size):
+# Over TCP (each rank its own node: sockets and the hierarchical engine) at 2 and 3 ranks:
+# what the larger sizes add is the arena's, which TCP does not use.
+SIZES_BY_TRANSPORT = [(2, "shm"), (3, "shm"), (4, "shm"), (8, "shm"), (2, "tcp"), (3, "tcp")]
+
+
+@pytest.mark.parametrize("world_size,transport", SIZES_BY_TRANSPORT, indirect=["transport"])
+def test_reductions_match_numpy(run_ranks, world_size, transport):
     """all_reduce, reduce, reduce_scatter, reduce_scatter_tensor x every op x every dtype it
     applies to, at 1 and 1023 elements; all_reduce also at 65537 (above the 64 KiB switch
     to the reduce-scatter path for most dtypes)."""
@@ -395,8 +400,8 @@ def test_reductions_match_numpy(run_ranks, world_size):
     assert_all_good(run_ranks(run_cases, world_size, cases, timeout=100))
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
-def test_data_movement_matches_numpy(run_ranks, world_size):
+@pytest.mark.parametrize("world_size,transport", SIZES_BY_TRANSPORT, indirect=["transport"])
+def test_data_movement_matches_numpy(run_ranks, world_size, transport):
     """broadcast, the gathers, scatter, the all_to_alls (even and uneven) and barrier,
     every dtype, at 1, 1023 and (up to 4 ranks) 65537 elements."""
     assert_all_good(run_ranks(run_cases, world_size, make_cases(MOVEMENTS, ODD_SIZES[world_size]),
@@ -536,7 +541,7 @@ def mismatches(rank, world_size, init_method, names):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_mismatched_calls_raise_on_every_rank_and_the_group_recovers(run_ranks, world_size):
+def test_mismatched_calls_raise_on_every_rank_and_the_group_recovers(run_ranks, world_size, transport):
     """The group timeout is 120 s and the test's 60 s: an error must come from the check."""
     names = list(MISMATCHES)
     results = run_ranks(mismatches, world_size, names, timeout=60)
@@ -652,7 +657,7 @@ def edge_shapes(rank, world_size, init_method):
     return out
 
 
-def test_0d_and_empty_tensors(run_ranks):
+def test_0d_and_empty_tensors(run_ranks, transport):
     results = run_ranks(edge_shapes, 3, timeout=60)
     want = {"all_reduce 0-d numpy": 7.5, "broadcast 0-d": 10.0, "empty tensors": (0,), "after": [3]}
     if HAVE_TORCH:
@@ -682,7 +687,7 @@ def disagreeing_splits(rank, world_size, init_method):
     return bad, good
 
 
-def test_disagreeing_split_sizes_raise_everywhere_and_the_group_recovers(run_ranks):
+def test_disagreeing_split_sizes_raise_everywhere_and_the_group_recovers(run_ranks, transport):
     (bad0, good0), (bad1, good1) = run_ranks(disagreeing_splits, 2, timeout=60)
     assert [str(bad0).split(":")[0], str(bad1).split(":")[0]] == ["DistMismatchError"] * 2, (bad0, bad1)
     assert good0 == [0.0, 10.0, 11.0]

@@ -174,14 +174,14 @@ def pending_at_destroy(rank, world_size, init_method, where):
     a receive waiting in the fast lane (``where`` "lane") or posted to the
     engine ("engine"), and a send too big for the ring. Their wait() and
     is_completed() afterwards must answer, not touch unmapped memory."""
-    from shmdist import group
+    from shmdist import fast
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
     box = np.zeros(4)
     out = {}
     if rank == 1:
         dist.recv(box, 0).wait()        # teaches the lane float64 through the general path
         recv = dist.irecv(np.zeros(4), 0 if where == "lane" else None)
-        out["in lane"] = group._lane.pending is recv
+        out["in lane"] = fast.paths.lane.pending is recv
         send = dist.isend(np.zeros((64 << 20) // 8), 0)
         dist.destroy_process_group()
         for name, req in (("recv", recv), ("send", send)):

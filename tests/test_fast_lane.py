@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import shmdist as dist
-from shmdist import group as group_module
+from shmdist import fast
 from shmdist.errors import DistMismatchError, DistTimeoutError
 
 
@@ -26,7 +26,7 @@ def _init(rank, world_size, init_method):
 
 
 def _lane_counts():
-    lane = group_module._lane
+    lane = fast.paths.lane
     return lane.sends, lane.recvs
 
 
@@ -341,7 +341,6 @@ def large_all_reduce_cases(rank, world_size, init_method, small_rounds):
         return real(self, *args)
     collectives.GroupComm._all_reduce_rounds = counting
     _init(rank, world_size, init_method)
-    comm = group_module._world.default.coll
     bad, case = [], 0
     counts = (30011, 70001) if small_rounds else ((3 << 20) // 8 + 13,)
     for dtype in ("float32", "float64", "int32", "int64"):
@@ -349,7 +348,7 @@ def large_all_reduce_cases(rank, world_size, init_method, small_rounds):
             for count in counts:
                 for root in (-1, *range(world_size)):
                     case += 1
-                    comm.c_rounds = case % world_size != rank
+                    fast.paths.c_rounds = case % world_size != rank
                     got = _contribution(rank, dtype, count)
                     reduce_op = getattr(dist.ReduceOp, op)
                     if root < 0:
@@ -358,7 +357,7 @@ def large_all_reduce_cases(rank, world_size, init_method, small_rounds):
                         dist.reduce(got, root, reduce_op)
                     if root in (-1, rank) and got.tobytes() != _want(dtype, op, count, world_size).tobytes():
                         bad.append((dtype, op, count, root))
-    comm.c_rounds = True
+    fast.paths.c_rounds = True
     if calls[0] == 0:
         bad.append("the C rounds never ran")
     try:
@@ -412,7 +411,7 @@ def torch_tensors_take_the_lane(rank, world_size, init_method):
     else:
         box = torch.zeros(4)
         req = dist.irecv(box, 0)                  # pending: nothing sent yet
-        if group_module._lane.pending is not req:
+        if fast.paths.lane.pending is not req:
             wrong.append("the torch receive did not wait in the lane")
         dist.send(go, 0).wait()
         req.wait()

@@ -418,7 +418,7 @@ COLLECTIVES = {
 def dies_in_collective(rank, world_size, init_method, name, victim, at_phase, deathfile):
     """The victim dies just before it arrives at phase ``at_phase`` of the
     collective (0: right after the collective returned)."""
-    from shmdist import collectives, group as group_module
+    from shmdist import collectives, fast
     _, _, root_dies = COLLECTIVES[name]
     root = victim if root_dies else 0
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
@@ -437,9 +437,9 @@ def dies_in_collective(rank, world_size, init_method, name, victim, at_phase, de
         # The victim takes the general path, whose phases the hook counts; the
         # survivors keep the one-call quick paths, whose waits end the same way.
         collectives.GroupComm.quick_barrier = lambda self, timeout, how=None: False
-        group_module._barrier = None
+        fast.paths.barrier = None
         collectives.GroupComm.quick_all_reduce = lambda self, arr, op, timeout: False
-        collectives.GroupComm.c_rounds = False
+        fast.paths.c_rounds = False
         call()
         _die(deathfile)          # at_phase 0, or the call had fewer phases
     result = _outcome(call)
@@ -521,7 +521,7 @@ RANK_SCRIPT = """
     import json, os, signal, sys, time
     import numpy as np
     import shmdist as dist
-    from shmdist import collectives
+    from shmdist import collectives, fast
 
     out, mode = sys.argv[1], sys.argv[2]
     dist.init_process_group(timeout=60)
@@ -537,7 +537,7 @@ RANK_SCRIPT = """
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(self, what, timeout, *desc)
         collectives.GroupComm._pass = counting_pass
-        collectives.GroupComm.c_rounds = False     # rounds in Python, where the hook counts them
+        fast.paths.c_rounds = False     # rounds in Python, where the hook counts them
     dist.all_reduce(t)
     open(os.path.join(out, f"inside{rank}"), "w").close()
     while True:                  # "loop": collectives until the launcher is signalled

@@ -12,6 +12,8 @@ import pytest
 import shmdist as dist
 from test_collectives import MOVEMENTS, REDUCTIONS, assert_all_good, make_cases, needs_torch, run_cases
 
+pytestmark = pytest.mark.usefixtures("transport")   # each test over shm, then over TCP
+
 
 # ---------------------------------------------------------------- the seed page's group
 

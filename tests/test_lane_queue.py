@@ -14,7 +14,7 @@ import pytest
 
 import shmdist as dist
 from shmdist import engine as engine_module
-from shmdist import group as group_module
+from shmdist import fast
 from shmdist.errors import DistError, DistMismatchError, DistTimeoutError
 
 pytestmark = pytest.mark.skipif(os.environ.get("SHMDIST_TRANSPORT", "").lower() == "tcp",
@@ -39,7 +39,7 @@ def window_both_ways(rank, world_size, init_method, n, mixed):
     peer = 1 - rank
     bufs = [np.zeros(4, dtype=np.int64) for _ in range(n)]
     reqs = [dist.irecv(b, None if mixed and i == n // 2 else peer) for i, b in enumerate(bufs)]
-    queued = len(group_module._lane.pending_requests())
+    queued = len(fast.paths.lane.pending_requests())
     dist.barrier()          # nothing is sent before both ranks posted every receive
     sends = [dist.isend(np.full(4, 1000 * rank + i, dtype=np.int64), peer) for i in range(n)]
     for r in reversed(reqs + sends):

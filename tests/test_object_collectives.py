@@ -10,6 +10,8 @@ import pytest
 
 import shmdist as dist
 
+pytestmark = pytest.mark.usefixtures("transport")   # each test over shm, then over TCP
+
 
 @dataclasses.dataclass
 class Point:

@@ -13,6 +13,8 @@ import pytest
 import shmdist as dist
 from ranks import wait_until_gone
 
+pytestmark = pytest.mark.usefixtures("transport")   # each test over shm, then over TCP
+
 
 def _printed(fn, *args) -> str:
     """What ``fn(*args)`` prints, without its trailing newline."""

@@ -1,7 +1,7 @@
 """The fast paths' cached numpy views of torch tensors are never stale.
 
 shmdist's send/recv and quick all_reduce take a torch tensor through a numpy
-view of it (``group.fast_array``), kept in a cache keyed by the tensor's
+view of it (``fast.paths.array``), kept in a cache keyed by the tensor's
 address, shape, strides and dtype (``tensors.numpy_view``) because
 ``tensor.numpy()`` on every call costs as much as the rest of a small send.
 Whatever changes a tensor in place must be seen on the next call, and the
@@ -16,13 +16,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shmdist import group as groups  # noqa: E402
+from shmdist import fast  # noqa: E402
 from shmdist import tensors  # noqa: E402
 
 
 def _view(t):
     """What the fast paths get for ``t``, asserted to be a view of ``t``'s own memory now."""
-    arr = groups.fast_array(t)
+    arr = fast.paths.array(t)
     assert arr is not None
     assert arr.ctypes.data == t.data_ptr() and arr.shape == tuple(t.shape) and arr.dtype.itemsize == \
         t.element_size(), f"a view of {arr.ctypes.data:#x}{arr.shape} for a tensor at {t.data_ptr():#x}{tuple(t.shape)}"
@@ -31,7 +31,7 @@ def _view(t):
 
 def test_the_second_call_is_served_from_the_cache():
     t = torch.zeros(4)
-    assert groups.fast_array(t) is groups.fast_array(t)
+    assert fast.paths.array(t) is fast.paths.array(t)
     _view(t)[2] = 7
     assert t.tolist() == [0, 0, 7, 0]
 
@@ -83,10 +83,10 @@ def test_a_negative_or_conjugate_view_is_never_served_the_plain_view():
     _view(t), _view(t)
     negative = torch._neg_view(t)         # same address, shape, strides and dtype; values negated
     assert negative.is_neg() and negative.data_ptr() == t.data_ptr()
-    assert groups.fast_array(negative) is None        # the general path resolves the bit
+    assert fast.paths.array(negative) is None        # the general path resolves the bit
     c = torch.zeros(2, dtype=torch.complex64)
     _view(c), _view(c)
-    assert groups.fast_array(c.conj()) is None
+    assert fast.paths.array(c.conj()) is None
 
 
 def test_the_cache_keeps_no_memory_alive():
@@ -104,11 +104,11 @@ def test_autograd_and_other_layouts_stay_off_the_fast_path():
     t = torch.zeros(4)
     _view(t), _view(t)
     t.requires_grad_(True)
-    assert groups.fast_array(t) is None
+    assert fast.paths.array(t) is None
     t.requires_grad_(False)
-    assert groups.fast_array(t) is not None
-    assert groups.fast_array(torch.zeros(4, 4).t()) is None          # not contiguous: the general path
-    assert groups.fast_array(torch.zeros(4).to_sparse()) is None
+    assert fast.paths.array(t) is not None
+    assert fast.paths.array(torch.zeros(4, 4).t()) is None          # not contiguous: the general path
+    assert fast.paths.array(torch.zeros(4).to_sparse()) is None
 
 
 def p2p_after_in_place_changes(rank, world_size, init_method):

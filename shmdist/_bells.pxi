@@ -1,0 +1,98 @@
+# Included by _core.pyx (the hub); its classes are declared in _core.pxd.
+# Control blocks, doorbells (futex wait/wake) and copies.
+
+# ---------------------------------------------------------------- doorbells
+
+CAUSE_BYTES = SD_CAUSE_BYTES
+
+
+def ctl_set_pid(size_t ctl, uint32_t pid):
+    sd_store32(_u32(ctl + SD_CTL_PID), pid)
+    memset(<void *>(ctl + SD_CTL_CAUSE), 0, CAUSE_BYTES)
+    sd_store32(_u32(ctl + SD_CTL_CLOSED), 0)
+
+
+def ctl_close(size_t ctl, bytes cause=b""):
+    """Mark the owner as gone cleanly, with why it left (UTF-8, at most
+    CAUSE_BYTES; "" for a plain destroy). The store that marks it comes
+    last, so a peer that sees it closed reads the whole cause."""
+    cdef Py_ssize_t n = min(len(cause), CAUSE_BYTES)
+    memset(<void *>(ctl + SD_CTL_CAUSE), 0, CAUSE_BYTES)
+    memcpy(<void *>(ctl + SD_CTL_CAUSE), PyBytes_AS_STRING(cause), n)
+    sd_store32(_u32(ctl + SD_CTL_CLOSED), 1)
+
+
+def ctl_closed(size_t ctl):
+    return sd_load32(_u32(ctl + SD_CTL_CLOSED)) != 0
+
+
+def ctl_cause(size_t ctl):
+    """What the owner wrote as its cause when it closed (b"" if none)."""
+    cdef bytes raw = PyBytes_FromStringAndSize(<char *>(ctl + SD_CTL_CAUSE), CAUSE_BYTES)
+    return raw.split(b"\0", 1)[0]
+
+
+cdef inline void _ring_bell(size_t ctl) noexcept nogil:
+    sd_add32(_u32(ctl + SD_CTL_BELL), 1)
+    if sd_load32(_u32(ctl + SD_CTL_SLEEPING)):
+        sd_futex_wake(_u32(ctl + SD_CTL_BELL), 0x7fffffff)
+
+
+def ring_bell(size_t ctl):
+    """Tell the owner of ``ctl`` that something changed; the futex wake
+    syscall is made only when the owner sleeps."""
+    _ring_bell(ctl)
+
+
+def bell_value(size_t ctl):
+    return sd_load32(_u32(ctl + SD_CTL_BELL))
+
+
+cdef int _wait_bell(uint32_t *bell, uint32_t *sleeping, uint32_t seen,
+                    long spin, long yields, long ns) noexcept nogil:
+    cdef long i
+    for i in range(spin):
+        if sd_load32(bell) != seen:
+            return SD_DONE_SPINNING
+        sd_relax()
+    for i in range(yields):
+        if sd_load32(bell) != seen:
+            return SD_DONE
+        sd_yield()
+    if ns > 0:
+        sd_add32(sleeping, 1)
+        if sd_load32(bell) == seen:
+            sd_futex_wait(bell, seen, ns)
+        sd_add32(sleeping, -1)
+    return SD_DONE if sd_load32(bell) != seen else SD_NOT_YET
+
+
+def wait_bell(size_t ctl, uint32_t seen, long spin, long yields, double timeout):
+    """Wait until the doorbell of ``ctl`` differs from ``seen``.
+
+    Spins ``spin`` times (cpu pause), then yields the CPU ``yields`` times,
+    then sleeps on the futex for at most ``timeout`` seconds. Returns
+    DONE_SPINNING when the bell moved while spinning, DONE when it moved
+    later, NOT_YET on timeout or signal (the caller loops and so lets Python
+    run signal handlers).
+    """
+    cdef int r
+    cdef long ns = <long>(timeout * 1e9)
+    with nogil:
+        r = _wait_bell(_u32(ctl + SD_CTL_BELL), _u32(ctl + SD_CTL_SLEEPING), seen, spin, yields, ns)
+    return r
+
+
+# ---------------------------------------------------------------- copies
+
+cdef inline void _copy(void *dst, const void *src, size_t n) noexcept:
+    if n >= NOGIL_COPY:
+        with nogil:
+            memcpy(dst, src, n)
+    else:
+        memcpy(dst, src, n)
+
+
+def copy(size_t dst, size_t src, size_t n):
+    """memcpy between two addresses, without the GIL for large copies."""
+    _copy(<void *>dst, <const void *>src, n)

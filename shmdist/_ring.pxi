@@ -1,0 +1,190 @@
+# Included by _core.pyx (the hub); its classes are declared in _core.pxd.
+# Ring: one single-producer, single-consumer byte ring in shared memory.
+
+# ---------------------------------------------------------------- rings
+
+cdef class Ring:
+    """One single-producer, single-consumer byte ring in shared memory.
+
+    A message is a record: a HEADER_BYTES header, the payload, and padding
+    to 64 bytes. The producer publishes ``head`` (bytes written, ever) and
+    the consumer ``tail`` (bytes consumed, ever), each on its own cache
+    line. Each side rings the other's doorbell after it moved its index.
+    One process uses a Ring either as producer or as consumer, never both.
+    """
+
+    def __cinit__(self, size_t ctl_addr, size_t data_addr, uint64_t size, size_t other_ctl):
+        if size == 0 or (size & (size - 1)) != 0 or size < SD_RING_MIN_BYTES:
+            raise ValueError(f"ring size must be a power of two >= {SD_RING_MIN_BYTES}, got {size}")
+        self.head = <uint64_t *>(ctl_addr + SD_RING_HEAD)
+        self.tail = <uint64_t *>(ctl_addr + SD_RING_TAIL)
+        self.data = <uint8_t *>data_addr
+        self.size = size
+        self.mask = size - 1
+        self.other_ctl = other_ctl
+        self.cached_head = sd_load64(self.head)
+        self.cached_tail = sd_load64(self.tail)
+
+    cdef inline void _put(self, uint64_t at, const uint8_t *src, size_t n) noexcept nogil:
+        cdef uint64_t off = at & self.mask
+        cdef uint64_t first = self.size - off
+        if first >= n:
+            memcpy(self.data + off, src, n)
+        else:
+            memcpy(self.data + off, src, first)
+            memcpy(self.data, src + first, n - first)
+
+    cdef inline void _get(self, uint64_t at, uint8_t *dst, size_t n, bint stream=False) noexcept nogil:
+        cdef uint64_t off = at & self.mask
+        cdef uint64_t first = self.size - off
+        if stream:
+            if first >= n:
+                sd_copy_nt(dst, self.data + off, n)
+            else:
+                sd_copy_nt(dst, self.data + off, first)
+                sd_copy_nt(dst + first, self.data, n - first)
+        elif first >= n:
+            memcpy(dst, self.data + off, n)
+        else:
+            memcpy(dst, self.data + off, first)
+            memcpy(dst + first, self.data, n - first)
+
+    cdef uint64_t _push(self, const uint8_t *hdr, const uint8_t *src, uint64_t nbytes,
+                        uint64_t pos, uint64_t total) noexcept nogil:
+        cdef uint64_t h = sd_load64(self.head)
+        cdef uint64_t free, end, upto
+        while pos < total:
+            free = self.size - (h - self.cached_tail)
+            if free < SLICE and free < total - pos:
+                self.cached_tail = sd_load64(self.tail)
+                free = self.size - (h - self.cached_tail)
+                if free == 0:
+                    break
+            end = pos + min(free, SLICE, total - pos)
+            if pos < SD_HEADER_BYTES:
+                upto = min(end, <uint64_t>SD_HEADER_BYTES)
+                self._put(h, hdr + pos, upto - pos)
+                h += upto - pos
+                pos = upto
+            if pos < end and pos < SD_HEADER_BYTES + nbytes:
+                upto = min(end, SD_HEADER_BYTES + nbytes)
+                self._put(h, src + pos - SD_HEADER_BYTES, upto - pos)
+                h += upto - pos
+                pos = upto
+            h += end - pos          # padding: nothing to copy
+            pos = end
+            sd_store64(self.head, h)   # publish each slice: the consumer copies it meanwhile
+            _ring_bell(self.other_ctl)
+        return pos
+
+    cdef uint64_t _pull(self, uint8_t *dst, uint64_t nbytes, uint64_t pos,
+                        uint64_t total) noexcept nogil:
+        cdef uint64_t t = sd_load64(self.tail)
+        cdef uint64_t avail, end, upto
+        while pos < total:
+            avail = self.cached_head - t
+            if avail < SLICE and avail < total - pos:
+                self.cached_head = sd_load64(self.head)
+                avail = self.cached_head - t
+                if avail == 0:
+                    break
+            end = pos + min(avail, SLICE, total - pos)
+            if pos < SD_HEADER_BYTES:          # the header itself, already read by peek
+                upto = min(end, <uint64_t>SD_HEADER_BYTES)
+                t += upto - pos
+                pos = upto
+            if pos < end and pos < SD_HEADER_BYTES + nbytes:
+                upto = min(end, SD_HEADER_BYTES + nbytes)
+                if dst != NULL:
+                    self._get(t, dst + pos - SD_HEADER_BYTES, upto - pos, nbytes >= stream_min)
+                t += upto - pos
+                pos = upto
+            t += end - pos
+            pos = end
+            sd_store64(self.tail, t)   # hand each slice back to the producer at once
+            _ring_bell(self.other_ctl)
+        return pos
+
+    def push(self, bytes header, size_t addr, size_t nbytes, size_t pos):
+        """Write what fits of one record, from record offset ``pos``.
+
+        The record is ``header`` (HEADER_BYTES), ``nbytes`` of payload at
+        ``addr``, then padding to 64 bytes. Copies in slices, publishing
+        each, for as long as the consumer makes room. Returns the new
+        offset; the record is complete when it equals ``record_bytes(nbytes)``.
+        """
+        cdef uint64_t total = _record(nbytes)
+        cdef const uint8_t *hdr = <const uint8_t *>PyBytes_AS_STRING(header)
+        cdef const uint8_t *src = <const uint8_t *>addr
+        cdef uint64_t p = pos
+        if total - p < NOGIL_COPY:
+            return self._push(hdr, src, nbytes, p, total)
+        with nogil:
+            p = self._push(hdr, src, nbytes, p, total)
+        return p
+
+    def take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, bytes dtype16):
+        """Receive the next record in one call when it is complete and its
+        header says (tag, group, byte count, dtype): copy the payload to
+        ``addr`` and return DONE. Return NOT_YET when no complete record is
+        there, OTHER_RECORD when the next record is another one (the caller
+        then reads the header itself). Header layout: layout.HEADER."""
+        return self._take(tag, gid, addr, nbytes, PyBytes_AS_STRING(dtype16))
+
+    cdef int _take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, const char *dtype16):
+        cdef uint64_t t = sd_load64(self.tail)
+        cdef uint64_t total = _record(nbytes)
+        cdef uint8_t hdr[SD_HEADER_BYTES]
+        cdef int64_t htag, hgid
+        cdef uint64_t hbytes
+        if self.cached_head - t < total:
+            self.cached_head = sd_load64(self.head)
+            if self.cached_head - t < total:
+                return SD_NOT_YET
+        self._get(t, hdr, SD_HEADER_BYTES)
+        memcpy(&htag, hdr + SD_HDR_TAG, 8)
+        memcpy(&hgid, hdr + SD_HDR_GID, 8)
+        memcpy(&hbytes, hdr + SD_HDR_NBYTES, 8)
+        if htag != tag or hgid != gid or hbytes != nbytes or memcmp(hdr + SD_HDR_DTYPE, dtype16, SD_DTYPE_BYTES):
+            return SD_OTHER_RECORD
+        if nbytes < NOGIL_COPY:
+            self._get(t + SD_HEADER_BYTES, <uint8_t *>addr, nbytes)
+        else:
+            with nogil:
+                self._get(t + SD_HEADER_BYTES, <uint8_t *>addr, nbytes, nbytes >= stream_min)
+        sd_store64(self.tail, t + total)
+        _ring_bell(self.other_ctl)
+        return SD_DONE
+
+    def peek(self):
+        """The next record's header, or None when it has not arrived."""
+        cdef uint64_t t = sd_load64(self.tail)
+        if self.cached_head - t < SD_HEADER_BYTES:
+            self.cached_head = sd_load64(self.head)
+            if self.cached_head - t < SD_HEADER_BYTES:
+                return None
+        out = PyBytes_FromStringAndSize(NULL, SD_HEADER_BYTES)
+        self._get(t, <uint8_t *>PyBytes_AS_STRING(out), SD_HEADER_BYTES)
+        return out
+
+    def pull(self, size_t addr, size_t nbytes, size_t pos):
+        """Consume what has arrived of the record whose header was peeked.
+
+        ``pos`` is the record offset reached so far (0 right after peek).
+        Copies the payload into ``addr`` (0 discards it), slice by slice
+        for as long as the producer keeps writing, and returns the new
+        offset; complete at ``record_bytes(nbytes)``.
+        """
+        cdef uint64_t total = _record(nbytes)
+        cdef uint8_t *dst = <uint8_t *>addr
+        cdef uint64_t p = pos
+        if total - p < NOGIL_COPY:
+            return self._pull(dst, nbytes, p, total)
+        with nogil:
+            p = self._pull(dst, nbytes, p, total)
+        return p
+
+
+def record_bytes(size_t nbytes):
+    """Bytes one message of ``nbytes`` payload occupies in a ring."""
+    return _record(nbytes)

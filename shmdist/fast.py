@@ -1,0 +1,105 @@
+"""The fast paths: the few shortcuts that skip the general layers for the
+common small call, all owned by one object with one switch.
+
+- ``lane``: the engine's ``_core.Lane``: a small send or receive of a
+  numpy array (or plain CPU tensor) on the default group in one C call.
+- ``barrier`` and ``coll``: the default group's ``Phaser.barrier`` and
+  its GroupComm, whose ``quick_all_reduce`` reduces a small array in one
+  C call when the other members are already there.
+- ``c_rounds``: the rounds of a large all_reduce run in C.
+- ``learn``: the general path teaches the lane each dtype it accepted.
+
+Each shortcut either does the whole call or returns None/False having done
+nothing, and the general path then runs; so turning them off (``enabled =
+False``, as the tests' ``no_fast_paths`` fixture does) changes speed only.
+``attach`` points them at a world when init_process_group finished and
+``attach(None)`` at nothing when it is destroyed, forked or exits.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from shmdist.engine import dtype_field
+from shmdist.tensors import is_torch_tensor, numpy_view
+
+
+class FastPaths:
+    def __init__(self):
+        self.enabled = True      # the one switch
+        self.c_rounds = True     # large all_reduce rounds in C (while enabled)
+        self.lane = None         # the world's engine.lane while the world may be used
+        self.barrier = None      # the default group's Phaser.barrier (shared-arena groups only)
+        self.coll = None         # the default group's collective engine, for quick_all_reduce
+        self.timeout = 0.0       # the world's timeout, for the quick calls
+        self._tensor = None      # torch.Tensor, once the first torch tensor came
+
+    def attach(self, world) -> None:
+        """Point the shortcuts at ``world`` (None: at nothing)."""
+        if world is None or not self.enabled:
+            self.lane = self.barrier = self.coll = None
+            return
+        from shmdist import collectives
+        coll = world.default.coll
+        self.lane = world.engine.lane
+        self.coll = coll
+        self.timeout = world.timeout
+        self.barrier = coll.ph.barrier if isinstance(coll, collectives.GroupComm) else None
+
+    def set_enabled(self, on: bool, world=None) -> None:
+        """The switch: off, every call takes the general path."""
+        self.enabled = on
+        self.attach(world)
+
+    def rounds_in_c(self) -> bool:
+        return self.enabled and self.c_rounds
+
+    def array(self, tensor) -> np.ndarray | None:
+        """``tensor`` itself when it is a numpy array, a numpy view of a plain
+        torch CPU tensor (no autograd, no conjugate or negative bit, a dtype
+        numpy has), else None: what the fast paths may take."""
+        if tensor.__class__ is np.ndarray:
+            return tensor
+        if tensor.__class__ is not self._tensor:
+            if self._tensor is not None or not is_torch_tensor(tensor):
+                return None
+            self._tensor = sys.modules["torch"].Tensor
+            if tensor.__class__ is not self._tensor:       # a subclass (Parameter...): the general way
+                return None
+        if tensor.requires_grad:
+            return None
+        try:
+            return numpy_view(tensor)                   # tensor.numpy()'s view, cached (shmdist.tensors)
+        except (RuntimeError, TypeError, ValueError):   # data_ptr() of a layout that has none
+            return None
+
+    def bf16(self, tensor) -> np.ndarray | None:
+        """The bits of a plain torch CPU bfloat16 tensor as a uint16 numpy view
+        (what array() gives for other dtypes), else None. Only for the quick
+        all_reduce, which is told the dtype's name: the lane's dtype table is
+        keyed by numpy dtype, where bfloat16 and uint16 look alike."""
+        if tensor.__class__ is not self._tensor:       # set by array()'s first torch tensor
+            return None
+        torch = sys.modules["torch"]
+        if tensor.dtype is not torch.bfloat16 or tensor.requires_grad or tensor.is_neg():
+            return None
+        try:
+            return tensor.view(torch.int16).numpy().view(np.uint16)
+        except (RuntimeError, TypeError, ValueError):   # another device or layout
+            return None
+
+    def learn(self, engine, tensor, buf) -> None:
+        """Teach the lane a dtype the general path accepted, by its numpy dtype."""
+        if not self.enabled:
+            return
+        if tensor.__class__ is not np.ndarray:
+            tensor = self.array(tensor)
+            if tensor is None:
+                return
+        if tensor.dtype.name != buf.dtype or not tensor.dtype.isnative:   # the lane moves raw bytes
+            return
+        engine.lane.dtypes[tensor.dtype] = dtype_field(buf.dtype)
+
+
+paths = FastPaths()

@@ -1,0 +1,213 @@
+"""Every binary layout shmdist shares between processes, or between its
+Python and its C, defined once.
+
+The C core reads these numbers from ``_layout.h``, which is generated from
+this file (``python shmdist/layout.py`` writes it; ``setup.py`` does so on
+every build, and tests/test_layout.py fails when the checked-in copy is
+stale or when the compiled core disagrees with what is here). Nothing else
+writes an offset, a struct format, a kernel kind or a ReduceOp code by hand.
+
+This module imports only the standard library, so that the build can run it
+before the core exists.
+"""
+from __future__ import annotations
+
+import struct
+
+# ---------------------------------------------------------------- message record
+# A message is a record: a HEADER_BYTES header, the payload, and padding to
+# RECORD_ALIGN bytes (the padding stays in a ring; TCP does not send it).
+
+MAGIC = 0x444D4853            # "SHMD"
+VERSION = 1
+MAX_DIMS = 8                  # dims carried in a header; more still work, by element count
+DTYPE_BYTES = 16              # the dtype name, NUL-padded
+# magic, version, ndim, tag, group id, source rank, 0, payload bytes, dtype, dims, padding
+HEADER = struct.Struct(f"<IHHqqiiQ{DTYPE_BYTES}s{MAX_DIMS}q8x")
+HEADER_BYTES = HEADER.size
+HDR_MAGIC = 0
+HDR_VERSION = 4
+HDR_NDIM = 6
+HDR_TAG = 8
+HDR_GID = 16
+HDR_SRC = 24
+HDR_NBYTES = 32
+HDR_DTYPE = 40
+HDR_DIMS = HDR_DTYPE + DTYPE_BYTES
+RECORD_ALIGN = 64
+
+
+def record_bytes(nbytes: int) -> int:
+    """Bytes one message of ``nbytes`` payload occupies in a ring."""
+    return HEADER_BYTES + (nbytes + RECORD_ALIGN - 1) // RECORD_ALIGN * RECORD_ALIGN
+
+
+# ---------------------------------------------------------------- control block
+# One per process, in the host segment: who owns it, whether it left and
+# why, and its doorbell (a futex word bumped by anyone with news for it).
+
+CTL_BYTES = 256
+CTL_PID = 0                   # uint32: pid of the owner
+CTL_CLOSED = 4                # uint32: 1 once the owner left the group cleanly
+CTL_BELL = 64                 # uint32: doorbell sequence
+CTL_SLEEPING = 128            # uint32: owner threads asleep on the doorbell
+CTL_CAUSE = 136               # bytes: why the owner left, NUL-padded (written before CTL_CLOSED)
+CAUSE_BYTES = CTL_BYTES - CTL_CAUSE
+
+# ---------------------------------------------------------------- ring
+RING_CTL_BYTES = 4096         # head and tail of a ring, each on its own cache line
+RING_HEAD = 0                 # uint64: bytes the producer wrote, ever
+RING_TAIL = 128               # uint64: bytes the consumer consumed, ever
+RING_MIN_BYTES = 4096         # a ring's data is a power of two at least this big
+
+# ---------------------------------------------------------------- segment parameters
+# Written by a segment's creator after the segment header (segment.py), read
+# by every member: the host segment's (ring bytes, local ranks), an arena's
+# (slot bytes, bytes per round of a large all_reduce).
+
+PARAMS = struct.Struct("<QQ")
+PARAMS_AT = 64
+
+# ---------------------------------------------------------------- collective arena
+# Per member of a group, a control slot of SLOT_STRIDE bytes: its phase
+# counter, and the descriptors of its last two calls (parity 0 and 1).
+
+SLOT_STRIDE = 256
+SLOT_PHASE = 0                # uint64: phases this member entered
+SLOT_DESC = 64                # descriptor of parity p at SLOT_DESC + p * DESC_BYTES
+# The call descriptor every member publishes and compares:
+# 0 (reserved), kind, payload bytes, ReduceOp code, root (global rank, -1 none), dtype, extra
+DESC = struct.Struct(f"<QQQqq{DTYPE_BYTES}sQ")
+DESC_BYTES = DESC.size
+DESC_WORDS = DESC_BYTES // 8
+DESC_KIND = 8
+DESC_NBYTES = 16
+DESC_OP = 24
+DESC_ROOT = 32
+DESC_DTYPE = 40
+DESC_EXTRA = DESC_DTYPE + DTYPE_BYTES
+# refused: a call whose own arguments were bad (its op field: the kind it refused)
+KINDS = ("barrier", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
+         "reduce_scatter", "all_to_all", "refused")
+
+
+def pack_desc(kind: str, nbytes: int, op: int, root: int, dtype: bytes, extra: int) -> bytes:
+    """A call descriptor (``root``: a global rank or -1)."""
+    return DESC.pack(0, KINDS.index(kind), nbytes, op, root, dtype, extra)
+
+
+def parts(count: int, n: int) -> list[tuple[int, int]]:
+    """Split ``count`` elements into n contiguous (start, length) parts, the
+    first ``count % n`` one longer: how every member splits a chunk of a
+    large all_reduce (the C rounds too: _core.part_start is this)."""
+    base, rem = divmod(count, n)
+    out, start = [], 0
+    for j in range(n):
+        length = base + (j < rem)
+        out.append((start, length))
+        start += length
+    return out
+
+
+# ---------------------------------------------------------------- reductions
+# ReduceOp codes (shmdist.ReduceOp is the IntEnum of these) and the element
+# kinds of the C kernels (reduce_rows, the rounds of a large all_reduce).
+
+OPS = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG")
+KERNEL_KINDS = (("float32", 4), ("float64", 8), ("int32", 4), ("int64", 8),
+                ("bfloat16", 2), ("float16", 2))   # the 16-bit ones: float32 sums, one rounding (_half.h)
+
+
+def kind_of(name: str) -> int:
+    """The C kernel kind of a dtype name."""
+    return [k for k, _ in KERNEL_KINDS].index(name)
+
+
+# ---------------------------------------------------------------- what the core returns
+# The outcomes of the core's waits, takes and phases: one name, and one value,
+# per meaning, shared by C and Python.
+
+DONE_SPINNING = 2             # done (the event came while spinning: keep spinning that long)
+DONE = 1                      # done (the event came later, or no spin was asked)
+NOT_YET = 0                   # not yet (a timeout, a signal, or the record is not all there)
+DIFFER = -1                   # every member is there, but their call descriptors differ
+BROKEN = -2                   # the group is broken: nothing was done
+NOT_TAKEN = -3                # the call does not suit this fast path: nothing was done
+OTHER_RECORD = -4             # the next record is not the one asked for: read its header
+ALL_ROUNDS_DONE = -5          # every round of a large all_reduce is done
+CODES = ("DONE_SPINNING", "DONE", "NOT_YET", "DIFFER", "BROKEN", "NOT_TAKEN", "OTHER_RECORD", "ALL_ROUNDS_DONE")
+
+# ---------------------------------------------------------------- the C view
+
+def c_constants() -> dict[str, int]:
+    """Every number above that the C core uses, by its name in _layout.h."""
+    c = {
+        "SD_MAGIC": MAGIC, "SD_VERSION": VERSION, "SD_MAX_DIMS": MAX_DIMS, "SD_DTYPE_BYTES": DTYPE_BYTES,
+        "SD_HEADER_BYTES": HEADER_BYTES, "SD_HDR_MAGIC": HDR_MAGIC, "SD_HDR_VERSION": HDR_VERSION,
+        "SD_HDR_NDIM": HDR_NDIM, "SD_HDR_TAG": HDR_TAG, "SD_HDR_GID": HDR_GID, "SD_HDR_SRC": HDR_SRC,
+        "SD_HDR_NBYTES": HDR_NBYTES, "SD_HDR_DTYPE": HDR_DTYPE, "SD_HDR_DIMS": HDR_DIMS,
+        "SD_RECORD_ALIGN": RECORD_ALIGN,
+        "SD_CTL_BYTES": CTL_BYTES, "SD_CTL_PID": CTL_PID, "SD_CTL_CLOSED": CTL_CLOSED,
+        "SD_CTL_BELL": CTL_BELL, "SD_CTL_SLEEPING": CTL_SLEEPING, "SD_CTL_CAUSE": CTL_CAUSE,
+        "SD_CAUSE_BYTES": CAUSE_BYTES,
+        "SD_RING_CTL_BYTES": RING_CTL_BYTES, "SD_RING_HEAD": RING_HEAD, "SD_RING_TAIL": RING_TAIL,
+        "SD_RING_MIN_BYTES": RING_MIN_BYTES,
+        "SD_SLOT_STRIDE": SLOT_STRIDE, "SD_SLOT_PHASE": SLOT_PHASE, "SD_SLOT_DESC": SLOT_DESC,
+        "SD_DESC_BYTES": DESC_BYTES, "SD_DESC_WORDS": DESC_WORDS, "SD_DESC_KIND": DESC_KIND,
+        "SD_DESC_NBYTES": DESC_NBYTES, "SD_DESC_OP": DESC_OP, "SD_DESC_ROOT": DESC_ROOT,
+        "SD_DESC_DTYPE": DESC_DTYPE, "SD_DESC_EXTRA": DESC_EXTRA,
+    }
+    c.update({f"SD_CALL_{k.upper()}": i for i, k in enumerate(KINDS)})
+    c.update({f"SD_OP_{name}": i for i, name in enumerate(OPS)})
+    c.update({f"SD_KIND_{name.upper()}": i for i, (name, _) in enumerate(KERNEL_KINDS)})
+    c["SD_NKINDS"] = len(KERNEL_KINDS)
+    c.update({f"SD_{name}": globals()[name] for name in CODES})
+    return c
+
+
+def c_header() -> str:
+    """The text of _layout.h."""
+    lines = ["/* GENERATED from shmdist/layout.py by `python shmdist/layout.py`; do not edit. */",
+             "#ifndef SHMDIST_LAYOUT_H", "#define SHMDIST_LAYOUT_H", "", "#include <stddef.h>", "",
+             "enum {"]
+    lines += [f"    {name} = {value:#x}," if name == "SD_MAGIC" else f"    {name} = {value},"
+              for name, value in c_constants().items()]
+    lines += ["};", "",
+              "/* bytes per element of each kernel kind, indexed by SD_KIND_* */",
+              "static const size_t sd_kind_itemsize[SD_NKINDS] = {"
+              + ", ".join(str(size) for _, size in KERNEL_KINDS) + "};", "",
+              "#endif", ""]
+    return "\n".join(lines)
+
+
+def pxi_text() -> str:
+    """The text of _layout.pxi: the C declarations of _layout.h for Cython,
+    and C_LAYOUT, the values as the compiled core sees them (for the test
+    that the build is in step with this file)."""
+    names = list(c_constants())
+    lines = ["# GENERATED from shmdist/layout.py by `python shmdist/layout.py`; do not edit.",
+             'cdef extern from "_layout.h" nogil:', "    enum:"]
+    lines += [f"        {name}" for name in names]
+    lines += ["    const size_t sd_kind_itemsize[]", "",
+              "C_LAYOUT = {", *[f'    "{name}": {name},' for name in names], "}", ""]
+    return "\n".join(lines)
+
+
+def write(folder: str) -> None:
+    """(Re)write _layout.h and _layout.pxi in ``folder`` when they differ."""
+    import os
+    for name, text in (("_layout.h", c_header()), ("_layout.pxi", pxi_text())):
+        path = os.path.join(folder, name)
+        try:
+            with open(path) as f:
+                if f.read() == text:
+                    continue
+        except OSError:
+            pass
+        with open(path, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    import os
+    write(os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,108 @@
+"""Every SHMDIST_* environment variable shmdist reads: its name, default and
+meaning, in one table, and the one function that reads them.
+
+A setting is read from the environment when the step that uses it runs
+(``init_process_group``, ``new_group``, a call with no timeout), never at
+import, so a test or a launcher may set it any time before that step. The
+launcher's own variables (shmdist-run) and the benchmark's live with them.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple
+
+
+class Setting(NamedTuple):
+    name: str
+    default: object          # the value when the variable is unset or empty
+    parse: Callable          # text -> value; raises ValueError on a bad one
+    meaning: str
+
+
+def _int(text: str) -> int:
+    return int(text, 0)
+
+
+def _flag(text: str) -> bool:
+    return text.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _multiple_of_page(name: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text, 0)
+        if value < 4096 or value % 4096:
+            raise ValueError(f"{name}={text}: must be a multiple of 4096")
+        return value
+    return parse
+
+
+def _power_of_two(name: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text, 0)
+        if value < 4096 or value & (value - 1):
+            raise ValueError(f"{name}={text}: the ring size must be a power of two >= 4096")
+        return value
+    return parse
+
+
+SETTINGS = {s.name: s for s in (
+    Setting("SHMDIST_TIMEOUT", None, float,
+            "seconds an operation waits when init_process_group got no timeout (default 1800, as torch)"),
+    Setting("SHMDIST_TRANSPORT", "", str.lower,
+            "'tcp' runs every rank as its own node over TCP, even on one host (tests, debugging)"),
+    Setting("SHMDIST_RING_BYTES", None, _power_of_two("SHMDIST_RING_BYTES"),
+            "bytes of each ring between two local ranks (default by local rank count, shm.py)"),
+    Setting("SHMDIST_STREAM_BYTES", None, _int,
+            "payloads at least this big are received with streaming stores; 0 never (default: half "
+            "the last-level cache, at least 8 MiB)"),
+    Setting("SHMDIST_ARENA_BYTES", 1 << 20, _multiple_of_page("SHMDIST_ARENA_BYTES"),
+            "bytes of each of the two buffers per member in a group's collective arena"),
+    Setting("SHMDIST_ROUND_BYTES", 512 << 10, _multiple_of_page("SHMDIST_ROUND_BYTES"),
+            "most bytes of elements per round of a large all_reduce"),
+    Setting("SHMDIST_SPIN", 4000, int,
+            "most cpu pauses a waiter spins before it sleeps (~50 us), when ranks do not outnumber cores"),
+    Setting("SHMDIST_YIELDS", 4, int,
+            "sched_yields a waiter makes before it sleeps, when local ranks outnumber cores"),
+    Setting("SHMDIST_SECRET", None, str,
+            "a shared secret: the store and the TCP transport refuse peers that cannot prove it"),
+    Setting("SHMDIST_JOB_ID", "", str,
+            "the job's identity (shmdist-run sets it): ranks of different jobs never meet"),
+    Setting("SHMDIST_HOST_ID", None, str,
+            "the host identity: ranks with the same one share memory (containers; pretend hosts in tests)"),
+    Setting("SHMDIST_FAST", True, _flag,
+            "0 turns every fast path off (fast.py): each call takes the general path (tests, debugging)"),
+    Setting("SHMDIST_TCP_ADDR", None, str,
+            "the address this rank's TCP transport listens on, when the default is wrong"),
+    Setting("SHMDIST_INTER", "auto", lambda text: text.strip().lower() or "auto",
+            "the engine between hosts: gloo, mpi or tcp; auto picks (inter.py)"),
+    Setting("SHMDIST_TRACE", True, _flag,
+            "0 turns the flight recorder off (trace.py)"),
+    Setting("SHMDIST_TRACE_SIZE", None, str,
+            "operations each rank's flight recorder keeps (default 512, rounded up to a power of two)"),
+    Setting("SHMDIST_TRACE_DIR", None, str,
+            "a folder: on a DistError each rank writes its recent operations there as JSON"),
+)}
+
+
+_UNSET = object()
+
+
+def get(name: str, default=_UNSET):
+    """The value of setting ``name`` now: its environment variable parsed,
+    or, when unset or empty, ``default`` if given (a default that depends on
+    the situation), else the table's. A bad value raises ValueError naming
+    the variable."""
+    s = SETTINGS[name]
+    raw = os.environ.get(name)
+    if not raw:
+        return s.default if default is _UNSET else default
+    return s.parse(raw)
+
+
+def describe() -> str:
+    """Every setting, one per line (for docs and `python -m shmdist.settings`)."""
+    return "\n".join(f"{s.name} (default {s.default!r}): {s.meaning}" for s in SETTINGS.values())
+
+
+if __name__ == "__main__":
+    print(describe())
