@@ -398,6 +398,8 @@ def _collective(name: str, rank: int, n: int, root: int):
     raise ValueError(name)
 
 
+PHASED_ARENA = {"SHMDIST_ARENA_BYTES": str(1 << 20), "SHMDIST_ROUND_BYTES": str(512 << 10)}
+
 # name: (which operation the survivors' error names, the phase of the call at which the victim dies,
 #        the root is the victim)
 COLLECTIVES = {
@@ -459,8 +461,10 @@ def test_sigkill_inside_a_collective(run_ranks, tmp_path, no_leaks, name, world_
     op, at_phase, root_dies = COLLECTIVES[name]
     victim = world_size - 1 if not root_dies else 1
     death_file = str(tmp_path / "death")
+    # The phase numbers above are those of the 1 MiB buffers and 512 KiB rounds a group gets when its
+    # members fit the cores; a group with more members than cores gets bigger ones (fewer phases).
     results = run_ranks(dies_in_collective, world_size, name, victim, at_phase, death_file, errors="return",
-                        timeout=RUN_TIMEOUT_S)
+                        timeout=RUN_TIMEOUT_S, env=PHASED_ARENA)
     death, survivors = _survivors(results, victim, death_file)
     times = _report(f"{name} n={world_size} victim={victim} phase={at_phase}", death, survivors)
     for r, res in survivors.items():
