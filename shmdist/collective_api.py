@@ -137,7 +137,7 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     seconds = None if timeout is None else _g._seconds(timeout)
     if group is None and _fast.barrier is not None:
         how = _fast.barrier()             # the default group's whole barrier, when the others are there
-        if how > 0 or _fast.coll.quick_barrier(seconds or _fast.timeout, how):
+        if how > 0 or _fast.coll.quick_barrier(seconds or _fast.world.timeout, how):
             return completed("barrier", []) if async_op else None
     w, g, comm = _enter("barrier", group)
     if comm is None:
@@ -172,8 +172,8 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
         coll = _fast.coll
         if name is not None and not getattr(coll, "quick_names", False):
             arr = None          # a comm whose quick path takes no dtype name (groups spanning hosts)
-        if arr is not None and (coll.quick_all_reduce(arr, op, _fast.timeout) if name is None else
-                                coll.quick_all_reduce(arr, op, _fast.timeout, name)):
+        if arr is not None and (coll.quick_all_reduce(arr, op, _fast.world.timeout) if name is None else
+                                coll.quick_all_reduce(arr, op, _fast.world.timeout, name)):
             return completed("all_reduce", [tensor]) if async_op else None
         quick = False
     w, g, comm = _enter("all_reduce", group)

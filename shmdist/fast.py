@@ -32,19 +32,19 @@ class FastPaths:
         self.lane = None         # the world's engine.lane while the world may be used
         self.barrier = None      # the default group's Phaser.barrier (shared-arena groups only)
         self.coll = None         # the default group's collective engine, for quick_all_reduce
-        self.timeout = 0.0       # the world's timeout, for the quick calls
+        self.world = None        # the world, whose timeout (read at each call) the quick calls take
         self._tensor = None      # torch.Tensor, once the first torch tensor came
 
     def attach(self, world) -> None:
         """Point the shortcuts at ``world`` (None: at nothing)."""
         if world is None or not self.enabled:
-            self.lane = self.barrier = self.coll = None
+            self.lane = self.barrier = self.coll = self.world = None
             return
         from shmdist import collectives
         coll = world.default.coll
         self.lane = world.engine.lane
         self.coll = coll
-        self.timeout = world.timeout
+        self.world = world
         self.barrier = coll.ph.barrier if isinstance(coll, collectives.GroupComm) else None
 
     def set_enabled(self, on: bool, world=None) -> None:
