@@ -7,12 +7,12 @@
 """
 from shmdist.errors import (DistError, DistMismatchError, DistNotInitializedError, DistPeerError,
                             DistTimeoutError)
-from shmdist.group import (P2POp, ProcessGroup, batch_isend_irecv, destroy_process_group, get_backend,
+from shmdist.api.group import (P2POp, ProcessGroup, batch_isend_irecv, destroy_process_group, get_backend,
                            get_rank, get_world_size, init_process_group, irecv, is_initialized, isend,
                            memory_usage, new_group, recv, send)
 from shmdist.request import DistributedRequest
 from shmdist.reduce_ops import ReduceOp
-from shmdist.collective_api import (all_gather, all_gather_into_tensor, all_gather_object, all_reduce,
+from shmdist.api.collectives import (all_gather, all_gather_into_tensor, all_gather_object, all_reduce,
                                     all_to_all, all_to_all_single, barrier, broadcast,
                                     broadcast_object_list, gather, gather_object, recv_object_list,
                                     reduce, reduce_scatter, reduce_scatter_tensor, scatter,

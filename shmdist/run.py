@@ -36,7 +36,7 @@ import threading
 import time
 
 from shmdist import trace
-from shmdist.rendezvous import JOB_ENV
+from shmdist.rendezvous.store import JOB_ENV
 
 GRACE_SECONDS = 5.0   # between SIGTERM (or a forwarded signal) and SIGKILL
 POLL_SECONDS = 0.05

@@ -32,8 +32,10 @@ import torch
 import torch.distributed as dist
 
 import shmdist
-from shmdist import collective_api as api
-from shmdist import group as groups, rendezvous, trace
+from shmdist.api import collectives as api
+from shmdist import trace
+from shmdist.api import group as groups
+from shmdist.rendezvous import store as rendezvous
 from shmdist.errors import DistError, DistTimeoutError
 from shmdist.reduce_ops import ReduceOp
 

@@ -7,6 +7,12 @@
 
 ``no_fast_paths``  turns every fast path off (SHMDIST_FAST=0), in the ranks too.
 
+``--torch-parts``  runs only the tests whose outcome can depend on torch being
+               installed: the torch modules, the pretend hosts (gloo is the leg
+               between hosts with torch), every TCP-transport case (each rank its own
+               host, so the same), and any test whose code names torch, gloo or DDP.
+               CI's second step uses it: the first ran everything without torch.
+
 ``no_leaks``   (autouse) gives every test its own SHMDIST_JOB_ID. Segments
                have no name (memfd), so nothing of a test should ever appear
                under /dev/shm; as a belt, after the test it fails the test if
@@ -23,9 +29,42 @@ import multiprocessing.resource_tracker
 import os
 import signal
 
+import inspect
+import re
+
 import pytest
 
 import ranks
+
+_TORCH_WORDS = re.compile(r"torch|gloo|ddp|DDP")
+_TORCH_MODULES = ("test_torch", "test_hosts", "test_promises_torch", "test_bench_smoke", "test_examples")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--torch-parts", action="store_true",
+                     help="only the tests whose outcome can depend on torch being installed")
+
+
+def _torch_part(item) -> bool:
+    if item.path.name.startswith(_TORCH_MODULES):
+        return True
+    spec = getattr(item, "callspec", None)
+    if spec is not None and spec.params.get("transport") == "tcp":
+        return True
+    if _TORCH_WORDS.search(item.name):
+        return True
+    try:
+        return bool(_TORCH_WORDS.search(inspect.getsource(item.function)))
+    except (OSError, TypeError):
+        return True
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--torch-parts"):
+        return
+    keep = [i for i in items if _torch_part(i)]
+    config.hook.pytest_deselected(items=[i for i in items if not _torch_part(i)])
+    items[:] = keep
 
 _test_number = itertools.count()
 
@@ -45,9 +84,9 @@ def transport(request, monkeypatch):
 
 @pytest.fixture
 def no_fast_paths(monkeypatch):
-    """Every fast path off (shmdist/fast.py: the lane, the one-call barrier and
+    """Every fast path off (shmdist/api/fast.py: the lane, the one-call barrier and
     all_reduce, the C rounds), here and in the ranks this test spawns."""
-    from shmdist import fast
+    from shmdist.api import fast
     monkeypatch.setenv("SHMDIST_FAST", "0")
     monkeypatch.setattr(fast.paths, "enabled", False)
 

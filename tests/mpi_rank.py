@@ -7,14 +7,14 @@ import sys
 import numpy as np
 
 import shmdist as dist
-from shmdist import launchers
+from shmdist.rendezvous import launchers
 
 launch = launchers.detect()
 if "--collectives" in sys.argv:          # pretend hosts of 2 ranks each; the inter-host leg on SHMDIST_INTER
     import os
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_collectives import MOVEMENTS, REDUCTIONS, make_cases, run_cases
-    from shmdist import inter
+    from shmdist.comm import inter
     os.environ["SHMDIST_HOST_ID"] = f"mpi-pretend-host-{launch.rank // 2}"
     cases = make_cases(REDUCTIONS, [1, 1023]) + make_cases(MOVEMENTS, [1, 1023], first_seed=1000)
     result = run_cases(launch.rank, launch.world_size, None, cases)

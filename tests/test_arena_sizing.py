@@ -6,7 +6,7 @@ import os
 import numpy as np
 
 import shmdist as dist
-from shmdist import group as _g
+from shmdist.api import group as _g
 
 MiB = 1 << 20
 

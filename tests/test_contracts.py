@@ -1,10 +1,15 @@
 """The written contracts: both transports implement transport.Transport and
 their channels transport.Channel; both collective engines (the shared-arena
 GroupComm, the hierarchical HierComm) implement collectives.Comm with the
-same signatures, so collective_api calls either the same way."""
+same signatures, so api/collectives.py calls either the same way."""
 import inspect
 
-from shmdist import _core, collectives, hier, shm, tcp, transport
+from shmdist import _core
+from shmdist.comm import arena as collectives
+from shmdist.comm import hier
+from shmdist.transport import shm
+from shmdist.transport import tcp
+from shmdist.transport import contract as transport
 
 
 def _protocol_members(proto):

@@ -174,7 +174,7 @@ def pending_at_destroy(rank, world_size, init_method, where):
     a receive waiting in the fast lane (``where`` "lane") or posted to the
     engine ("engine"), and a send too big for the ring. Their wait() and
     is_completed() afterwards must answer, not touch unmapped memory."""
-    from shmdist import fast
+    from shmdist.api import fast
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
     box = np.zeros(4)
     out = {}

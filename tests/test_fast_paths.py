@@ -1,4 +1,4 @@
-"""The fast paths (shmdist/fast.py) change speed only: with every one of
+"""The fast paths (shmdist/api/fast.py) change speed only: with every one of
 them off (one switch, the no_fast_paths fixture) point-to-point and every
 collective give the same results, and nothing goes through a shortcut."""
 from __future__ import annotations
@@ -15,14 +15,15 @@ CASES = make_cases(REDUCTIONS, [3, (1 << 20) + 5], dtypes=("float32", "int64", "
 
 
 def nothing_took_a_shortcut(rank, world_size, init_method, target, *args):
-    from shmdist import fast
+    from shmdist.api import fast
     out = target(rank, world_size, init_method, *args)
     assert fast.paths.lane is None and fast.paths.barrier is None and not fast.paths.rounds_in_c()
     return out
 
 
 def small_calls(rank, world_size, init_method):
-    from shmdist import fast, group
+    from shmdist.api import fast
+    from shmdist.api import group
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     lane = group.world().engine.lane
     peer = 1 - rank

@@ -80,7 +80,8 @@ def dies_in_init(rank, world_size, init_method, phase, victim, deathfile):
     """The victim dies during init: after publishing its rendezvous record
     ("rendezvous"), or right after it created or mapped its first segment,
     before telling anyone ("mapping")."""
-    from shmdist import rendezvous, segment
+    from shmdist.rendezvous import store as rendezvous
+    from shmdist.transport import segment
     if rank == victim and phase == "rendezvous":
         real_get = rendezvous.PrefixStore.get
 
@@ -201,7 +202,7 @@ def test_a_rank_killed_while_mapping_is_named_within_the_bound(run_ranks, tmp_pa
 
 def dies_in_init_slowly(rank, world_size, init_method, deathfile):
     """As dies_in_init("mapping") with the attacher as victim, but a 15 s init timeout."""
-    from shmdist import segment
+    from shmdist.transport import segment
     if rank == 1:
         real = segment.attach
 
@@ -249,7 +250,7 @@ def dies_in_p2p(rank, world_size, init_method, phase, victim, deathfile):
     """The victim and its partner (the next rank) exchange one large message;
     the victim dies after part of it moved. The other survivors pair up and
     exchange among themselves, unaffected."""
-    from shmdist import group
+    from shmdist.api import group
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     partner = (victim + 1) % world_size
     if rank == victim and phase in ("send", "recv"):
@@ -420,7 +421,8 @@ COLLECTIVES = {
 def dies_in_collective(rank, world_size, init_method, name, victim, at_phase, deathfile):
     """The victim dies just before it arrives at phase ``at_phase`` of the
     collective (0: right after the collective returned)."""
-    from shmdist import collectives, fast
+    from shmdist.comm import arena as collectives
+    from shmdist.api import fast
     _, _, root_dies = COLLECTIVES[name]
     root = victim if root_dies else 0
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
@@ -496,7 +498,7 @@ def test_sigkill_right_after_a_collective_lets_the_survivors_finish(run_ranks, t
 def dies_in_destroy(rank, world_size, init_method, deathfile):
     """The victim dies inside destroy_process_group, between unmapping the
     collective arena and saying goodbye on the host segment."""
-    from shmdist import shm
+    from shmdist.transport import shm
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     t = np.ones(1024, dtype=np.float64)
     dist.all_reduce(t)
@@ -525,7 +527,8 @@ RANK_SCRIPT = """
     import json, os, signal, sys, time
     import numpy as np
     import shmdist as dist
-    from shmdist import collectives, fast
+    from shmdist.comm import arena as collectives
+    from shmdist.api import fast
 
     out, mode = sys.argv[1], sys.argv[2]
     dist.init_process_group(timeout=60)

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from shmdist import _core
-from shmdist.engine import HDR, MAGIC, VERSION, make_header
-from shmdist.tcp import FrameError, Link, check_header
+from shmdist.transport.engine import HDR, MAGIC, VERSION, make_header
+from shmdist.transport.tcp import FrameError, Link, check_header
 from shmdist.tensors import as_buf
 
 PEER, ME = 1, 0

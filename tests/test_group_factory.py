@@ -17,7 +17,8 @@ def torch_subgroup_spanning_hosts(rank, world_size, init_method):
     os.environ["SHMDIST_HOST_ID"] = f"pretend-host-{rank * 2 // world_size}"   # [a, a, b, b]
     import shmdist
     import shmdist.torch  # noqa: F401  (registers the backend)
-    from shmdist import collectives, group as groups
+    from shmdist.comm import arena as collectives
+    from shmdist.api import group as groups
     dist.init_process_group("shm", init_method=init_method, rank=rank, world_size=world_size)
     spanning = dist.new_group([1, 2])       # one rank on each pretend host
     local = dist.new_group([2, 3])          # both on host b

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import shmdist as dist
-from shmdist import rendezvous
+from shmdist.rendezvous import store as rendezvous
 from ranks import free_port
 
 R = rendezvous
@@ -254,7 +254,7 @@ def under_attack(rank, world_size, init_method, flag, limit, secret):
         t = np.full(1000, rank + 1.0)
         dist.all_reduce(t, group=g)
         sums.append(float(t[0]))
-    dropped = getattr(sys.modules["shmdist.group"]._world.owned_store.server, "dropped", -1) if rank == 0 else 0
+    dropped = getattr(sys.modules["shmdist.api.group"]._world.owned_store.server, "dropped", -1) if rank == 0 else 0
     dist.barrier()
     dist.destroy_process_group()
     stop.set()
@@ -337,7 +337,7 @@ def test_a_job_finishes_under_attack(run_ranks, tmp_path, secret):
 
 def tcp_job_with_idle_intruders(rank, world_size, init_method, flag):
     if rank == 1:                   # rank 1 connects to rank 0 only once the intruders are in
-        from shmdist import tcp
+        from shmdist.transport import tcp
         real = tcp.Transport._connect
 
         def late(*a, **k):

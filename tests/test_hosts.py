@@ -64,7 +64,7 @@ def test_pretend_hosts_are_separate_and_leave_nothing(pretend_hosts):
 
 
 def _identity(rank, world_size, init_method):
-    from shmdist.hosts import host_identity, identity_parts
+    from shmdist.rendezvous.hosts import host_identity, identity_parts
     return host_identity(), identity_parts()[0]
 
 
@@ -79,7 +79,7 @@ def test_host_identity_tells_pretend_hosts_apart(run_ranks, pretend_hosts):
 def _init_and_talk(rank, world_size, init_method):
     """init with nothing but the master's address; a p2p ring and an all_reduce."""
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
-    w = dist.group.world()
+    w = dist.api.group.world()
     nodes = list(w.nodes)
     out = np.empty(4, dtype=np.int64)
     reqs = [dist.isend(np.full(4, rank, dtype=np.int64), (rank + 1) % world_size),
@@ -108,8 +108,8 @@ def test_init_on_pretend_hosts_needs_no_hints(run_ranks, pretend_hosts, layout):
 
 def test_listen_address_unwraps_the_stores_it_is_handed():
     """tcp._listen_address is handed WatchedStore(PrefixStore(TCPStore)): it must find the master."""
-    from shmdist import rendezvous
-    from shmdist.hosts import listen_address, master_of
+    from shmdist.rendezvous import store as rendezvous
+    from shmdist.rendezvous.hosts import listen_address, master_of
     from ranks import free_port
     port = free_port()
     store = rendezvous.TCPStore("127.0.0.1", port, is_master=True, timeout=10)

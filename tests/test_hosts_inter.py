@@ -1,5 +1,5 @@
 """The collective and point-to-point suites on 2 pretend hosts x 2 ranks
-(tests/hosts.py), once per inter-host engine (shmdist/inter.py): gloo
+(tests/hosts.py), once per inter-host engine (shmdist/comm/inter.py): gloo
 (with torch), MPI (under MPICH's mpiexec, hosts pretended with
 SHMDIST_HOST_ID, since mpiexec cannot start ranks inside our namespaces),
 and our TCP transport. A host whose cable is pulled mid-collective:
@@ -40,7 +40,7 @@ def pretend_hosts(monkeypatch):
 def _with_engine(rank, world_size, init_method, engine, target, *args):
     os.environ["SHMDIST_INTER"] = engine
     result = target(rank, world_size, init_method, *args)
-    from shmdist import inter
+    from shmdist.comm import inter
     return {"result": result, "chosen": inter.chosen(), "carried": dict(inter.carried)}
 
 
@@ -67,7 +67,7 @@ def test_point_to_point_on_pretend_hosts(run_ranks, pretend_hosts, engine):
 
 def test_auto_engine_is_tcp_outside_mpi(monkeypatch):
     """gloo is opt-in (slower as built, see inter.py); MPI is automatic only under an MPI launcher."""
-    from shmdist import inter
+    from shmdist.comm import inter
     for k in ("SHMDIST_INTER", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(k, raising=False)
     assert inter.choose() == "tcp"
@@ -167,7 +167,7 @@ class _Stub:
 
 
 def test_the_chosen_engine_is_logged(monkeypatch, caplog):
-    from shmdist import inter
+    from shmdist.comm import inter
     monkeypatch.setattr(inter, "_chosen", "")
     monkeypatch.setenv("SHMDIST_INTER", "tcp")
     with caplog.at_level("INFO", logger="shmdist"):

@@ -1,6 +1,6 @@
 """init_process_group() with no arguments under torchrun, mpirun/mpiexec
 (Open MPI, MPICH) and srun: which launcher's variables are read, which win
-when several are set, and where the master comes from (shmdist/launchers.py).
+when several are set, and where the master comes from (shmdist/rendezvous/launchers.py).
 Real runs under MPICH's and Open MPI's mpiexec where they are installed;
 srun by its environment, on pretend hosts."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 import hosts
 import shmdist as dist
-from shmdist import launchers
+from shmdist.rendezvous import launchers
 from shmdist.errors import DistError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -156,7 +156,7 @@ def _as_srun(rank, world_size, init_method, nodelist):
     dist.init_process_group()
     t = np.full(3, rank + 1, dtype=np.float64)
     dist.all_reduce(t)
-    got = (dist.get_rank(), dist.get_world_size(), float(t[0]), list(dist.group.world().nodes))
+    got = (dist.get_rank(), dist.get_world_size(), float(t[0]), list(dist.api.group.world().nodes))
     dist.destroy_process_group()
     return got
 

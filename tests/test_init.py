@@ -219,12 +219,12 @@ def late_for_the_store(rank, world_size, init_method, step):
     """Ranks other than 0 read every store reply late; rank 0 destroys its
     group as soon as init (or new_group) returns, as a user's script may."""
     if rank != 0:
-        recv_exact = dist.rendezvous.recv_exact
+        recv_exact = dist.rendezvous.store.recv_exact
 
         def slow_recv_exact(sock, n, closed="connection closed"):
             time.sleep(0.05)
             return recv_exact(sock, n, closed)
-        dist.rendezvous.recv_exact = slow_recv_exact
+        dist.rendezvous.store.recv_exact = slow_recv_exact
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=30)
     if step == "new_group":
         dist.new_group([0, 1])

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import shmdist as dist
-from shmdist import engine as engine_module
-from shmdist import fast
+from shmdist.transport import engine as engine_module
+from shmdist.api import fast
 from shmdist.errors import DistError, DistMismatchError, DistTimeoutError
 
 pytestmark = pytest.mark.skipif(os.environ.get("SHMDIST_TRANSPORT", "").lower() == "tcp",

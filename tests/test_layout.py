@@ -9,8 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-from shmdist import _core, collectives, layout
-from shmdist.engine import HDR, dtype_field, make_header
+from shmdist import _core, layout
+from shmdist.comm import arena as collectives
+from shmdist.transport.engine import HDR, dtype_field, make_header
 from shmdist.reduce_ops import ReduceOp
 from shmdist.tensors import as_buf
 

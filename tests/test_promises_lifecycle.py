@@ -113,7 +113,7 @@ def test_a_store_this_process_left_is_refused_clearly(tmp_path):
     """In one process: a client that left a store and meets it again at the
     same address (its rank 0 never started the next job) waits, then says so;
     a fresh client of the same store is served as before."""
-    from shmdist import rendezvous as R
+    from shmdist.rendezvous import store as R
     master = R.TCPStore("127.0.0.1", 0, is_master=True, timeout=5.0)
     try:
         port = master.port

@@ -26,7 +26,9 @@ import numpy as np
 import pytest
 
 import shmdist as dist
-from shmdist import rendezvous, segment, shm
+from shmdist.rendezvous import store as rendezvous
+from shmdist.transport import segment
+from shmdist.transport import shm
 from ranks import RankError, free_port
 
 IDLE_SECONDS = float(os.environ.get("SHMDIST_IDLE_SECONDS", 3))

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import shmdist as dist
-from shmdist import _core, group as _group
-from shmdist.engine import make_header
+from shmdist import _core
+from shmdist.api import group as _group
+from shmdist.transport.engine import make_header
 from shmdist.errors import DistPeerError, DistTimeoutError
-from shmdist.tcp import Transport, job_digest
+from shmdist.transport.tcp import Transport, job_digest
 from shmdist.tensors import as_buf
 
 

@@ -541,7 +541,7 @@ def test_timeouts_read_like_torch(run_ranks):
 
 def subgroups_in_the_world(rank, world_size, init_method):
     import shmdist
-    from shmdist import group as groups
+    from shmdist.api import group as groups
     _init(rank, world_size, init_method)
     before = shmdist.memory_usage()["collective_arenas"]
     sub = dist.new_group([0, 1])

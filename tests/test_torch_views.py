@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shmdist import fast  # noqa: E402
+from shmdist.api import fast  # noqa: E402
 from shmdist import tensors  # noqa: E402
 
 

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _short_timeout(seconds):
     """Give the collectives of this rank's groups a short timeout now that
     the (slower, on a loaded host) set-up is done."""
-    w = dist.group.world()
+    w = dist.api.group.world()
     w.timeout = seconds
     for g in w.groups:
         g.timeout = seconds

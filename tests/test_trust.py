@@ -20,7 +20,8 @@ import time
 import pytest
 
 import shmdist as dist
-from shmdist import rendezvous, tcp
+from shmdist.rendezvous import store as rendezvous
+from shmdist.transport import tcp
 from shmdist.errors import DistPeerError
 
 
@@ -180,7 +181,7 @@ def member_of(rank, world_size, init_method, job, letter, flag_dir):
     else:
         os.environ["SHMDIST_JOB_ID"] = job
     if flag_dir == "slow":
-        from shmdist import group
+        from shmdist.api import group
         real = group._open_collectives
 
         def slow(*a, **k):
@@ -319,7 +320,7 @@ def dies_before_publishing(rank, world_size, init_method, victim):
     """The victim is SIGKILLed right after it claimed its rank, before it
     published its info: no pid of it is known to anyone yet."""
     import signal
-    from shmdist import rendezvous as rv
+    from shmdist.rendezvous import store as rv
     if rank == victim:
         real_set = rv.PrefixStore.set
 

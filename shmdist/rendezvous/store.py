@@ -1011,12 +1011,12 @@ def parse_init_method(init_method: str | None, rank: int, world_size: int):
     """
     if init_method is None:
         init_method = "env://"
-    from shmdist import inter
+    from shmdist.comm import inter
     inter.prepare()   # MPI_Init, when the inter-host leg runs on MPI, before any store (see inter.py)
     url = urlparse(init_method)
     scheme = url.scheme
     if scheme == "env":
-        from shmdist import launchers   # torchrun, mpirun/mpiexec, srun: see launchers.py
+        from shmdist.rendezvous import launchers   # torchrun, mpirun/mpiexec, srun: see launchers.py
         launch, env = launchers.resolve(rank, world_size)
         try:
             if rank < 0:
@@ -1058,5 +1058,5 @@ def host_identity() -> str:
 
     SHMDIST_HOST_ID overrides it (containers; tests that pretend to be
     several hosts)."""
-    from shmdist.hosts import host_identity
+    from shmdist.rendezvous.hosts import host_identity
     return host_identity()

@@ -26,8 +26,9 @@ from typing import Protocol
 
 import numpy as np
 
-from shmdist import _core, layout, segment, settings
-from shmdist.fast import paths as _fast
+from shmdist import _core, layout, settings
+from shmdist.transport import segment
+from shmdist.api.fast import paths as _fast
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
 from shmdist.layout import ALL_ROUNDS_DONE, BROKEN, DIFFER, DONE, NOT_TAKEN, NOT_YET
 from shmdist.reduce_ops import ReduceOp, reduce_into, reduce_rows
@@ -80,7 +81,7 @@ def open_group(world, group) -> "GroupComm":
     who = f"rank {world.rank}: new_group"
     # Keyed by the group id and its members: a rank can only ever meet the
     # arena of the very group it asked for (new_group also agrees first).
-    import hashlib   # here, not at the top: this function is all of collectives.py the group work owns
+    import hashlib   # here, not at the top: this function is all of arena.py the group work owns
     members = hashlib.sha1(repr(tuple(group.ranks)).encode()).hexdigest()[:12]
     key = f"arena/{group.gid}/{members}"
     creator = world.rank == group.ranks[0]
@@ -90,7 +91,7 @@ def open_group(world, group) -> "GroupComm":
 
 
 class Comm(Protocol):
-    """The collective engine of one group, as collective_api calls it: the
+    """The collective engine of one group, as api/collectives.py calls it: the
     shared-arena GroupComm (members on one node) and hier.HierComm (members
     on several) implement it. Ranks in arguments are group ranks; ``buf``
     and the addresses are tensors.Buf / their addresses; each call first

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import select
 
-from shmdist import _core, layout, segment, settings
-from shmdist.engine import left_because
+from shmdist import _core, layout, settings
+from shmdist.transport import segment
+from shmdist.transport.engine import left_because
 
 _LAYOUT = layout.PARAMS                 # ring bytes, local ranks; after the segment header
 _LAYOUT_AT = layout.PARAMS_AT

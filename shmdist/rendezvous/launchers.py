@@ -142,7 +142,7 @@ def _master(launch: Launch, env) -> None:
 
 def master_by_mpi(launch: Launch) -> bool:
     """With mpi4py: rank 0 sends its address and a free port to every rank."""
-    from shmdist.inter import load_mpi
+    from shmdist.comm.inter import load_mpi
     try:
         MPI, _ = load_mpi()      # None when mpi4py was built for another MPI than the launcher's
     except ImportError:

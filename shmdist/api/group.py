@@ -15,13 +15,15 @@ import threading
 
 import numpy as np
 
-from shmdist import collectives, rendezvous, settings
+from shmdist import settings
+from shmdist.comm import arena as collectives
+from shmdist.rendezvous import store as rendezvous
 from shmdist import trace   # the flight recorder: hook lines marked "trace:" below
-from shmdist.engine import Engine
-from shmdist.fast import paths as _fast
+from shmdist.transport.engine import Engine
+from shmdist.api.fast import paths as _fast
 from shmdist.errors import DistError, DistMismatchError, DistNotInitializedError, DistPeerError
 from shmdist.request import DistributedRequest
-from shmdist.shm import ShmHost
+from shmdist.transport.shm import ShmHost
 from shmdist.tensors import as_buf
 
 DEFAULT_TIMEOUT = 1800.0   # seconds, torch's default for CPU backends
@@ -293,7 +295,7 @@ def _setup(w: World) -> None:
         ctl, ctl_memory = w.host.my_ctl, w.host.seg.array
         transports.append(w.host)
     if remote:
-        from shmdist import tcp   # loads only when a job spans hosts
+        from shmdist.transport import tcp  # loads only when a job spans hosts
         w.tcp = tcp.Transport(w.rank, remote, store, tcp.job_digest(infos), w.timeout, who,
                               settings.get(rendezvous.SECRET_ENV), ctl, ctl_memory)
         transports.append(w.tcp)
@@ -340,7 +342,7 @@ def _open_collectives(w: World, g: ProcessGroup):
     shares this rank's memory, else the hierarchical one (by host, then TCP)."""
     if w.host is not None and all(w.nodes[r] == w.nodes[w.rank] for r in g.ranks):
         return collectives.open_group(w, g)
-    from shmdist import hier
+    from shmdist.comm import hier
     return hier.open_group(w, g)
 
 

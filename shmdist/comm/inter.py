@@ -69,7 +69,7 @@ def _importable(name: str) -> bool:
 
 
 def _under_mpi() -> bool:
-    from shmdist import launchers
+    from shmdist.rendezvous import launchers
     return launchers.detect().source in ("openmpi", "mpich")
 
 
@@ -90,7 +90,7 @@ def load_mpi():
     an MPICH mpi4py under Open MPI's mpiexec (or the reverse) aborts the
     process in MPI_Init."""
     import sys
-    from shmdist import launchers
+    from shmdist.rendezvous import launchers
     if "mpi4py.MPI" not in sys.modules:
         import mpi4py
         mpi4py.rc.initialize = False
@@ -118,7 +118,7 @@ def prepare() -> None:
         return
     MPI, why = load_mpi()
     if MPI is not None:
-        from shmdist import launchers
+        from shmdist.rendezvous import launchers
         launch = launchers.detect()
         size = MPI.COMM_WORLD.Get_size()
         if launch.world_size > 0 and size != launch.world_size:
@@ -280,7 +280,7 @@ class GlooInter(_Inter):
         import torch
         from torch.distributed import ProcessGroupGloo
 
-        from shmdist.hosts import listen_address
+        from shmdist.rendezvous.hosts import listen_address
         self._agree(what, timeout)
         self.torch = torch
         opts = ProcessGroupGloo._Options()

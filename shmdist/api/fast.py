@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from shmdist.engine import dtype_field
+from shmdist.transport.engine import dtype_field
 from shmdist.tensors import is_torch_tensor, numpy_view
 
 
@@ -40,7 +40,7 @@ class FastPaths:
         if world is None or not self.enabled:
             self.lane = self.barrier = self.coll = self.world = None
             return
-        from shmdist import collectives
+        from shmdist.comm import arena as collectives
         coll = world.default.coll
         self.lane = world.engine.lane
         self.coll = coll

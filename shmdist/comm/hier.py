@@ -28,8 +28,10 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from shmdist import _core, collectives, inter, layout
-from shmdist.engine import COLLECTIVE_GID
+from shmdist import _core, layout
+from shmdist.comm import arena as collectives
+from shmdist.comm import inter
+from shmdist.transport.engine import COLLECTIVE_GID
 from shmdist.errors import DistError, DistPeerError, DistTimeoutError
 from shmdist.reduce_ops import ReduceOp, _from_f32, _to_f32, reduce_into
 from shmdist.request import DistributedRequest

@@ -46,10 +46,10 @@ import warnings
 import numpy as np
 
 from shmdist import _core, settings
-from shmdist.engine import left_because
+from shmdist.transport.engine import left_because
 from shmdist.errors import DistError, DistPeerError, DistTimeoutError
 from shmdist.layout import CTL_BYTES, HEADER as HDR, HEADER_BYTES, MAGIC, MAX_DIMS, VERSION, record_bytes
-from shmdist.rendezvous import SECRET_ENV, recv_exact
+from shmdist.rendezvous.store import SECRET_ENV, recv_exact
 
 ADDR_ENV = "SHMDIST_TCP_ADDR"   # the address this rank listens on, when the default is wrong
 HELLO = struct.Struct("<IHHi16s32s")   # magic, version, 0, rank, nonce, job digest
@@ -581,7 +581,7 @@ def _discard_unread(sock: socket.socket, limit: int = 64 << 20) -> None:
 def _listen_address(store) -> str:
     """SHMDIST_TCP_ADDR, else the address through which this host reaches
     the rendezvous store's master, else the host name's address (see hosts.py)."""
-    from shmdist.hosts import listen_address
+    from shmdist.rendezvous.hosts import listen_address
     return listen_address(store)
 
 

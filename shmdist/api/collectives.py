@@ -1,5 +1,5 @@
 """The collective calls of the torch.distributed surface: argument checks,
-tensors, async handles. The algorithms live in collectives.py.
+tensors, async handles. The algorithms live in comm/arena.py and comm/hier.py.
 
 A rank that is not a member of ``group`` and calls a collective on it gets
 a warning and the call does nothing, as in torch.distributed (scripts call
@@ -17,13 +17,13 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from shmdist import group as _g
-from shmdist.fast import paths as _fast
+from shmdist.api import group as _g
+from shmdist.api.fast import paths as _fast
 from shmdist.errors import DistError, DistMismatchError
 from shmdist.reduce_ops import ReduceOp, as_op, check, reduce_into
 from shmdist.request import completed
 from shmdist import _core
-from shmdist.engine import COLLECTIVE_GID
+from shmdist.transport.engine import COLLECTIVE_GID
 from shmdist.request import DistributedRequest
 from shmdist.tensors import Buf, as_buf, describe, typed_view
 
