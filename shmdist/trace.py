@@ -49,7 +49,7 @@ POSTED, WAITING, DONE, FAILED = 1, 2, 3, 4
 STATES = {POSTED: "posted", WAITING: "waiting", DONE: "done", FAILED: "failed"}
 SEND, RECV, COLL = 1, 2, 16
 KINDS = ("barrier", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
-         "reduce_scatter", "all_to_all", "refused")    # collectives.KINDS, in its order
+         "reduce_scatter", "all_to_all", "refused", "empty")    # collectives.KINDS, in its order
 REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG")
 LIVE, LEFT = 1, 2                   # header state
 ANY = -2                            # peer of a receive from any rank
