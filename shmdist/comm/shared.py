@@ -157,10 +157,15 @@ def allocate(rank: int, g, comm, spec: Spec, timeout: float):
     segment, return this member's array. Runs under ``comm.lock``."""
     from shmdist.comm.arena import GroupComm
     what = spec.describe()
+    desc = ("empty", spec.nbytes, 0, -1, spec.name, spec.digest)
     if not isinstance(comm, GroupComm):       # across hosts: ordinary memory, the call still checked
-        comm.barrier_as("empty", spec.name, timeout)
+        check = getattr(comm, "_check", None)   # hier.HierComm's descriptor check (shapes too)
+        if check is not None:
+            check(what, desc, timeout)
+        else:
+            comm.barrier_as("empty", spec.name, timeout)
         return spec.ordinary()
-    comm._first_pass(what, ("empty", spec.nbytes, 0, -1, spec.name, spec.digest), timeout)
+    comm._first_pass(what, desc, timeout)
     if spec.nbytes == 0:
         return spec.ordinary()
     who = f"rank {rank}: {what}"
