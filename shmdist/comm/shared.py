@@ -49,9 +49,11 @@ OFFSET_BITS = 40              # extra = allocation number << OFFSET_BITS | byte 
 PAGE = 4096
 _LEN = struct.Struct("<Q")
 
+NUMBERS = (1 << (64 - OFFSET_BITS)) - 1   # allocation numbers wrap after this many (extra is 64 bits)
 live: dict[int, "Alloc"] = {}  # start address of this rank's region -> its allocation
 _starts: list[int] = []        # the keys of ``live``, sorted
 _scratch: list = [None]
+_made: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # group engine -> allocations made
 
 
 class Spec:
@@ -170,7 +172,7 @@ def allocate(rank: int, g, comm, spec: Spec, timeout: float):
         return spec.ordinary()
     who = f"rank {rank}: {what}"
     n, me = comm.n, comm.me
-    number = comm.calls                      # the group's call count: the same on every member
+    number = _made[comm] = _made.get(comm, 0) % NUMBERS + 1   # counts this group's empty() calls
     stride = -(-spec.nbytes // PAGE) * PAGE
     first = segment.HEADER_BYTES
     seg, why = None, b""
