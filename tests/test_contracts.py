@@ -1,11 +1,13 @@
 """The written contracts: both transports implement transport.Transport and
 their channels transport.Channel; both collective engines (the shared-arena
-GroupComm, the hierarchical HierComm) implement collectives.Comm with the
+GroupComm, the hierarchical HierComm) implement arena.Comm with the
 same signatures, so api/collectives.py calls either the same way."""
 import inspect
 
+import pytest
+
 from shmdist import _core
-from shmdist.comm import arena as collectives
+from shmdist.comm import arena
 from shmdist.comm import hier
 from shmdist.transport import shm
 from shmdist.transport import tcp
@@ -34,10 +36,63 @@ def test_both_channels_implement_the_channel_contract():
 
 
 def test_both_collective_engines_implement_the_comm_contract():
-    for cls in (collectives.GroupComm, hier.HierComm):
-        for name, member in vars(collectives.Comm).items():
+    for cls in (arena.GroupComm, hier.HierComm):
+        for name, member in vars(arena.Comm).items():
             if name.startswith("_") or not callable(member):
                 continue
             assert _signature(getattr(cls, name))[:len(_signature(member))] == _signature(member) or \
                 [n for n, _ in _signature(getattr(cls, name))] == [n for n, _ in _signature(member)], \
                 (cls.__name__, name)
+
+
+# ---------------------------------------------------------------- the group layer's contracts
+
+class _MemoryStore:
+    """What allocate_gid needs of a store (set/get/add), in memory, shared by pretend ranks."""
+    def __init__(self):
+        self.data = {}
+
+    def set(self, key, value):
+        self.data[key] = value
+
+    def get(self, key, timeout=None):
+        return self.data[key]
+
+    def add(self, key, amount):
+        self.data[key] = int(self.data.get(key, 0)) + amount
+        return self.data[key]
+
+
+def test_one_allocator_hands_out_every_group_id():
+    """new_group's groups (every rank calls, rank 0 allocates) and torch's subgroups
+    (members only, the first member allocates) draw from the one store counter:
+    no second counter, no id range of their own."""
+    from shmdist.api import group as groups
+    from shmdist.rendezvous.store import PrefixStore
+    store = _MemoryStore()
+    worlds = [groups.World(r, 3, "shm", 5.0, store, None) for r in range(3)]
+    made = PrefixStore("new_group/1/", store)                 # shmdist.new_group: every rank
+    assert [w.allocate_gid(made, w.rank == 0) for w in worlds] == [1, 1, 1]
+    sub = PrefixStore("torch-subgroup/", store)               # a torch subgroup of ranks 1 and 2
+    assert [w.allocate_gid(sub, first) for w, first in ((worlds[1], True), (worlds[2], False))] == [2, 2]
+    again = PrefixStore("new_group/2/", store)
+    assert [w.allocate_gid(again, w.rank == 0) for w in worlds] == [3, 3, 3]
+    assert not hasattr(groups, "SUBGROUP_GID_BASE") and not hasattr(groups.World, "subgroup_gid")
+
+
+def test_torch_subgroups_go_through_the_group_factory_and_the_allocator():
+    """torch.py makes a subgroup as new_group does: its id from World.allocate_gid,
+    the group from group.open_group (the multi-rank proof is test_group_factory.py)."""
+    pytest.importorskip("torch")
+    from shmdist import torch as shm_torch
+    names = shm_torch._subgroup.__code__.co_names
+    assert "allocate_gid" in names and "open_group" in names
+    assert "open_group" not in shm_torch.__dict__ and "GroupComm" not in shm_torch.__dict__
+
+
+def test_arena_opens_by_key_and_plain_ranks():
+    """comm/arena.open_group takes a key and the members' global ranks; nothing
+    fakes a ProcessGroup to call it (hier.py's _Node is gone)."""
+    assert list(inspect.signature(arena.open_group).parameters) == ["world", "key", "ranks"]
+    assert list(inspect.signature(arena.GroupComm).parameters) == ["world", "ranks", "seg"]
+    assert not hasattr(hier, "_Node")

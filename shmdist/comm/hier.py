@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from shmdist import _core, layout
-from shmdist.comm import arena as collectives
+from shmdist.comm import arena
 from shmdist.comm import inter
 from shmdist.transport.engine import COLLECTIVE_GID
 from shmdist.errors import DistError, DistPeerError, DistTimeoutError
@@ -40,19 +40,6 @@ from shmdist.tensors import Buf, as_buf
 TAG = 0
 
 
-class _Node:
-    """The members of a group on one node, as collectives.open_group needs them."""
-
-    def __init__(self, gid: str, ranks: list[int], rank: int):
-        self.gid, self.ranks, self._rank = gid, tuple(ranks), ranks.index(rank)
-
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def rank(self) -> int:
-        return self._rank
-
-
 def open_group(world, group) -> "HierComm":
     """Split the group into nodes and open the shared arena of this rank's node."""
     nodes: dict[str, list[int]] = {}
@@ -61,7 +48,7 @@ def open_group(world, group) -> "HierComm":
     mine = nodes[world.nodes[world.rank]]
     comm = None
     if len(mine) > 1:
-        comm = collectives.open_group(world, _Node(f"{group.gid}/{mine[0]}", mine, world.rank))
+        comm = arena.open_group(world, f"{group.gid}/{mine[0]}", mine)
     return HierComm(world, group, list(nodes.values()), comm)
 
 
@@ -75,7 +62,7 @@ def _piece(addr: int, nbytes: int) -> Buf:
 
 
 class HierComm:
-    """collectives.Comm for a group spanning nodes (GroupComm is the one for
+    """arena.Comm for a group spanning nodes (GroupComm is the one for
     a group inside one node)."""
 
     def __init__(self, world, group, nodes: list[list[int]], comm):
@@ -167,7 +154,7 @@ class HierComm:
     def _check(self, what: str, desc: tuple, timeout: float) -> None:
         """Compare every member's descriptor of this call (see the module doc)."""
         if self.broken:
-            raise collectives.unusable(self.rank, what, self.group.ranks, self.broken)
+            raise arena.unusable(self.rank, what, self.group.ranks, self.broken)
         kind, nbytes, op, root, dtype, extra = desc
         mine = np.frombuffer(layout.pack_desc(kind, nbytes, op, self.group.ranks[root] if root >= 0 else -1,
                                               dtype.encode(), extra), dtype=np.int64)
@@ -188,7 +175,7 @@ class HierComm:
                               self.local[0], what, timeout)
         if (table != table[0]).any():
             descs = [_desc(rows[r]) for r in self.group.ranks]
-            raise collectives.disagree(self.rank, what, self.group.ranks, descs)
+            raise arena.disagree(self.rank, what, self.group.ranks, descs)
 
     def _block(self, table: np.ndarray, node: int) -> Buf:
         """The table rows of one node's members, as a buffer."""
@@ -206,7 +193,7 @@ class HierComm:
 
     def refuse(self, kind: str, timeout: float) -> None:
         """As GroupComm.refuse."""
-        self._check(f"{kind} (refused)", collectives.refused(kind), timeout)
+        self._check(f"{kind} (refused)", arena.refused(kind), timeout)
 
     def broadcast(self, buf, root: int, timeout: float) -> None:
         """Inside the root's node, then root's leader to the other leaders,
@@ -353,6 +340,6 @@ class HierComm:
 
 
 def _desc(row: np.ndarray) -> tuple:
-    """A table row (a packed layout.DESC) as the descriptor tuple collectives._describe reads."""
+    """A table row (a packed layout.DESC) as the descriptor tuple arena.disagree reads."""
     return layout.DESC.unpack(row.tobytes())
 
