@@ -82,6 +82,17 @@ cdef class DistributedRequest:
 
 
 @cython.final
+cdef class Queues:
+    """_lane.pxi: the engine's point-to-point queues, which its fast lane reads.
+    Made once with the engine and never rebound (readonly): both hold this one
+    object, so neither can be left with a list the other replaced."""
+    cdef readonly dict sendq       # destination -> deque of the sends not yet written whole
+    cdef readonly list posted      # receives posted and not yet matched, in posting order
+    cdef readonly dict rx          # source -> the record streaming in from it, or None
+    cdef readonly list unexpected  # records that arrived before a receive asked for them
+
+
+@cython.final
 cdef class _Pend:
     """_lane.pxi: a pending fast receive: where its message goes and what it must be."""
     cdef DistributedRequest req
@@ -102,8 +113,7 @@ cdef class Lane:
     cdef list send_ops, recv_ops   # the op names of requests, per global rank
     cdef public dict dtypes        # numpy dtype -> its 16-byte header field, filled by the general path
     cdef object acquire, release   # the engine's lock
-    cdef dict sendq, rx            # the engine's queues, bound at creation
-    cdef list posted, unexpected
+    cdef Queues q                  # the engine's queues (the same object, for good)
     cdef object engine
     cdef object peers              # (src,) tuples, per rank
     cdef list pend                 # the pending fast receives (_Pend), in posting order

@@ -96,3 +96,67 @@ def test_arena_opens_by_key_and_plain_ranks():
     assert list(inspect.signature(arena.open_group).parameters) == ["world", "key", "ranks"]
     assert list(inspect.signature(arena.GroupComm).parameters) == ["world", "ranks", "seg"]
     assert not hasattr(hier, "_Node")
+
+
+# ---------------------------------------------------------------- the engine and its fast lane
+
+def fast_recv_after_a_group_was_destroyed(rank, world_size, init_method):
+    """Rank 1 posts an any-source receive (the general path), then a receive
+    from rank 0 that the fast lane may take; rank 0 sends 1, then 2."""
+    import numpy as np
+    import shmdist as dist
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    box = np.zeros(1, dtype=np.int64)     # one exchange on the general path teaches the lane int64
+    if rank == 0:
+        dist.send(box, 1).wait()
+    else:
+        dist.recv(box, 0).wait()
+    dist.destroy_process_group(dist.new_group([0, 1]))   # fail_group: the engine drops its receives
+    got = None
+    if rank == 1:
+        first, second = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        anyone = dist.irecv(first, None)
+    dist.barrier()            # rank 0 sends only once the any-source receive is posted
+    if rank == 0:
+        dist.send(np.array([1]), 1).wait()
+        dist.send(np.array([2]), 1).wait()
+    dist.barrier()            # both messages sit in the ring; rank 1's engine has not looked
+    if rank == 1:
+        dist.recv(second, 0).wait()
+        anyone.wait()
+        got = (int(first[0]), int(second[0]))
+    dist.destroy_process_group()
+    return got
+
+
+def test_the_fast_lane_sees_the_engines_receives_after_a_group_was_destroyed(run_ranks):
+    """The lane and the engine share one _core.Queues, never rebound. When the
+    lane held its own references to the engine's lists, destroying a group
+    (Engine.fail_group) gave the engine a new list of posted receives and the
+    lane kept the old, empty one: its fast receive then took the message that
+    the any-source receive posted before it was owed."""
+    assert run_ranks(fast_recv_after_a_group_was_destroyed, 2, timeout=90)[1] == (1, 2)
+
+
+def test_the_engines_queues_cannot_be_rebound():
+    """Queues' lists are readonly attributes: code that would replace one (and
+    leave the lane reading the old) fails at once instead."""
+    q = _core.Queues([0, 1])
+    assert q.rx == {0: None, 1: None} and q.posted == [] and q.unexpected == [] and q.sendq == {}
+    for name in ("sendq", "posted", "rx", "unexpected"):
+        with pytest.raises(AttributeError):
+            setattr(q, name, type(getattr(q, name))())
+
+
+def test_one_point_to_point_exchange_serves_both_collective_layers():
+    """hier.py's steps between nodes and the uneven all_to_all/reduce_scatter
+    post and wait their messages through Engine.exchange alone: neither makes
+    requests or calls the engine's send/recv itself."""
+    import re
+    from shmdist.api import collectives
+    for module in (hier, collectives):
+        text = inspect.getsource(module)
+        assert not re.search(r"DistributedRequest\(|engine\.(send|recv)\(", text), module.__name__
+    assert "engine.exchange(" in inspect.getsource(hier.HierComm._exchange)
+    assert "engine.exchange(" in inspect.getsource(collectives._exchange_p2p)
+

@@ -34,10 +34,7 @@ from shmdist.comm import inter
 from shmdist.transport.engine import COLLECTIVE_GID
 from shmdist.errors import DistError, DistPeerError, DistTimeoutError
 from shmdist.reduce_ops import ReduceOp, _from_f32, _to_f32, reduce_into
-from shmdist.request import DistributedRequest
 from shmdist.tensors import Buf, as_buf
-
-TAG = 0
 
 
 def open_group(world, group) -> "HierComm":
@@ -121,29 +118,18 @@ class HierComm:
             raise
 
     def _exchange(self, what: str, sends: list, recvs: list, timeout: float) -> None:
-        """Post ``recvs`` [(buf, src)] and ``sends`` [(buf, dst)], wait for all."""
+        """Post ``recvs`` [(buf, src)] and ``sends`` [(buf, dst)], wait for all (Engine.exchange)."""
         between = None
         if self.inter:   # takes the leader-to-leader messages (see inter.py)
             with self._step(what):
                 sends, recvs, between = self.inter.start(what, sends, recvs, timeout)
-        reqs = []
-        for buf, src in recvs:
-            req = DistributedRequest(self.engine, f"{what}: receive from rank {src}")
-            self.engine.recv(req, buf, src, self.gid, TAG, self.group.ranks)
-            reqs.append(req)
-        for buf, dst in sends:
-            req = DistributedRequest(self.engine, f"{what}: send to rank {dst}")
-            self.engine.send(req, buf, dst, self.gid, TAG)
-            reqs.append(req)
         with self._step(what):
-            req = None
             try:
-                for req in reqs:
-                    req.wait(timeout)
+                self.engine.exchange(what, sends, recvs, self.gid, self.group.ranks, timeout)
                 if between:
                     between.wait(timeout)
             except (DistTimeoutError, DistPeerError) as e:   # name the host the peer is on
-                raise inter.on_host(self, e, getattr(req, "_peers", None) or ()) from e
+                raise inter.on_host(self, e, getattr(e, "peers", ())) from e
 
     def _local_broadcast(self, buf, root: int, what: str, timeout: float) -> None:
         """Broadcast inside this node from global rank ``root``."""
