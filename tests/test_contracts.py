@@ -160,3 +160,35 @@ def test_one_point_to_point_exchange_serves_both_collective_layers():
     assert "engine.exchange(" in inspect.getsource(hier.HierComm._exchange)
     assert "engine.exchange(" in inspect.getsource(collectives._exchange_p2p)
 
+
+# ---------------------------------------------------------------- settings
+
+def test_only_settings_reads_the_environment():
+    """Every environment variable shmdist reads goes through settings.py (its
+    table, or the declared launcher variables); elsewhere os.environ is only
+    copied into the environment of a child process."""
+    import pathlib
+    import re
+    import shmdist
+    child_env = re.compile(r"dict\(os\.environ\)|\*\*os\.environ|os\.environ\.setdefault\(")
+    bad = []
+    for path in sorted(pathlib.Path(shmdist.__file__).parent.rglob("*.py")):
+        if path.name == "settings.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"os\.environ|getenv|import environ", line) and not child_env.search(line):
+                bad.append(f"{path.name}:{n}: {line.strip()}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_launcher_variable_read_is_declared():
+    import ast
+    import re
+    from shmdist import settings
+    from shmdist.rendezvous import launchers
+    names = {node.value for node in ast.walk(ast.parse(inspect.getsource(launchers)))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and re.fullmatch(r"[A-Z][A-Z0-9]*(_[A-Za-z0-9]+)*", node.value)}
+    assert names and names <= settings.LAUNCHER_VARIABLES
+    with pytest.raises(KeyError, match="LAUNCHER_VARIABLES"):
+        settings.launcher("HOME")

@@ -212,9 +212,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     else:
         scheme, where = "store", None
         if rank < 0 or world_size < 0:
-            env = os.environ
-            rank = int(env.get("RANK", rank)) if rank < 0 else rank
-            world_size = int(env.get("WORLD_SIZE", world_size)) if world_size < 0 else world_size
+            rank = int(settings.launcher("RANK") or rank) if rank < 0 else rank
+            world_size = int(settings.launcher("WORLD_SIZE") or world_size) if world_size < 0 else world_size
     if not isinstance(world_size, int) or world_size < 1:
         raise DistError(f"init_process_group: world_size must be a positive int, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:

@@ -83,12 +83,12 @@ def job_identity() -> str:
     """The job this process belongs to, if its launcher said: SHMDIST_JOB_ID
     (shmdist-run sets it), else torchrun's TORCHELASTIC_RUN_ID, else Slurm's
     job and step ids; "" if none."""
-    for name in (JOB_ENV, "TORCHELASTIC_RUN_ID"):
-        value = settings.get(name) if name == JOB_ENV else os.environ.get(name, "")
+    for value in (settings.get(JOB_ENV), settings.launcher("TORCHELASTIC_RUN_ID")):
         if value and value != "none":
             return value[:MAX_JOB_ID]
-    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID"):   # srun: one job step
-        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"[:MAX_JOB_ID]
+    job, step = settings.launcher("SLURM_JOB_ID"), settings.launcher("SLURM_STEP_ID")
+    if job and step:   # srun: one job step
+        return f"slurm-{job}.{step}"[:MAX_JOB_ID]
     return ""
 
 
