@@ -98,6 +98,15 @@ def test_arena_opens_by_key_and_plain_ranks():
     assert not hasattr(hier, "_Node")
 
 
+def test_the_arena_module_goes_by_its_name():
+    """comm/arena.py is imported as ``arena`` (api/collectives.py is the one called collectives)."""
+    import pathlib
+    import shmdist
+    stale = [p.name for p in pathlib.Path(shmdist.__file__).parent.rglob("*.py")
+             if "import arena as" in p.read_text() or "collective_api" in p.read_text()]
+    assert not stale, stale
+
+
 # ---------------------------------------------------------------- the engine and its fast lane
 
 def fast_recv_after_a_group_was_destroyed(rank, world_size, init_method):
