@@ -46,6 +46,7 @@ cdef class Ring:
     """_ring.pxi"""
     cdef uint64_t *head
     cdef uint64_t *tail
+    cdef uint32_t *want         # 1 while the producer waits for room
     cdef uint8_t *data
     cdef uint64_t size
     cdef uint64_t mask
@@ -58,6 +59,7 @@ cdef class Ring:
                         uint64_t pos, uint64_t total) noexcept nogil
     cdef uint64_t _pull(self, uint8_t *dst, uint64_t nbytes, uint64_t pos,
                         uint64_t total) noexcept nogil
+    cdef void _room(self) noexcept nogil
     cdef int _take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, const char *dtype16)
 
 

@@ -58,8 +58,9 @@ cdef class Phaser:
         target = self.phase
         sd_store64(<uint64_t *>mine, target)
         sd_fence()
-        for i in range(self.nothers):
-            if sd_load32(_u32(<size_t>self.others[i] + SD_CTL_SLEEPING)):
+        for i in range(self.nothers):    # a waiter spins on the flags; wake the sleepers (_bells.pxi)
+            if (sd_load32(_u32(<size_t>self.others[i] + SD_CTL_PHASE_SLEEPING))
+                    or sd_load32(_u32(<size_t>self.others[i] + SD_CTL_SLEEPING))):
                 sd_add32(_u32(<size_t>self.others[i] + SD_CTL_BELL), 1)
                 sd_futex_wake(_u32(<size_t>self.others[i] + SD_CTL_BELL), 0x7fffffff)
         with nogil:

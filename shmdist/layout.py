@@ -50,7 +50,8 @@ CTL_BYTES = 256
 CTL_PID = 0                   # uint32: pid of the owner
 CTL_CLOSED = 4                # uint32: 1 once the owner left the group cleanly
 CTL_BELL = 64                 # uint32: doorbell sequence
-CTL_SLEEPING = 128            # uint32: owner threads asleep on the doorbell
+CTL_SLEEPING = 128            # uint32: owner threads asleep on the doorbell in a wait ring traffic can end
+CTL_PHASE_SLEEPING = 132      # uint32: owner threads asleep on it for phase flags only (rings never wake them)
 CTL_CAUSE = 136               # bytes: why the owner left, NUL-padded (written before CTL_CLOSED)
 CAUSE_BYTES = CTL_BYTES - CTL_CAUSE
 
@@ -58,6 +59,7 @@ CAUSE_BYTES = CTL_BYTES - CTL_CAUSE
 RING_CTL_BYTES = 4096         # head and tail of a ring, each on its own cache line
 RING_HEAD = 0                 # uint64: bytes the producer wrote, ever
 RING_TAIL = 128               # uint64: bytes the consumer consumed, ever
+RING_WANT = 256               # uint32: 1 while the producer waits for room (the consumer rings only then)
 RING_MIN_BYTES = 4096         # a ring's data is a power of two at least this big
 
 # ---------------------------------------------------------------- segment parameters
@@ -148,9 +150,11 @@ def c_constants() -> dict[str, int]:
         "SD_HDR_NBYTES": HDR_NBYTES, "SD_HDR_DTYPE": HDR_DTYPE, "SD_HDR_DIMS": HDR_DIMS,
         "SD_RECORD_ALIGN": RECORD_ALIGN,
         "SD_CTL_BYTES": CTL_BYTES, "SD_CTL_PID": CTL_PID, "SD_CTL_CLOSED": CTL_CLOSED,
-        "SD_CTL_BELL": CTL_BELL, "SD_CTL_SLEEPING": CTL_SLEEPING, "SD_CTL_CAUSE": CTL_CAUSE,
+        "SD_CTL_BELL": CTL_BELL, "SD_CTL_SLEEPING": CTL_SLEEPING, "SD_CTL_PHASE_SLEEPING": CTL_PHASE_SLEEPING,
+        "SD_CTL_CAUSE": CTL_CAUSE,
         "SD_CAUSE_BYTES": CAUSE_BYTES,
         "SD_RING_CTL_BYTES": RING_CTL_BYTES, "SD_RING_HEAD": RING_HEAD, "SD_RING_TAIL": RING_TAIL,
+        "SD_RING_WANT": RING_WANT,
         "SD_RING_MIN_BYTES": RING_MIN_BYTES,
         "SD_SLOT_STRIDE": SLOT_STRIDE, "SD_SLOT_PHASE": SLOT_PHASE, "SD_SLOT_DESC": SLOT_DESC,
         "SD_DESC_BYTES": DESC_BYTES, "SD_DESC_WORDS": DESC_WORDS, "SD_DESC_KIND": DESC_KIND,
