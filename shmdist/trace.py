@@ -123,8 +123,8 @@ def start(rank: int, world_size: int) -> None:
     """At the start of init_process_group: make (or reuse) this process's
     ring, before any peer looks for it."""
     global _own, _world_size
-    if not enabled():
-        _core.trace_attach(0, 0)
+    if not enabled():      # (again, for a re-init with SHMDIST_TRACE=0: the ring of the last one goes)
+        _drop()
         return
     if _own is None or _own.pid != os.getpid():
         try:
@@ -141,6 +141,20 @@ def start(rank: int, world_size: int) -> None:
                   groups={"0": list(range(world_size))})
     _world_size = world_size
     _core.trace_attach(_own.addr, _own.capacity)
+
+
+def _drop() -> None:
+    """Stop recording and let go of every ring this process maps: its own
+    (its memory goes once no peer maps it) and its peers'."""
+    global _own, _joined
+    _core.trace_attach(0, 0)
+    _joined = False
+    if _own is not None and _own.pid == os.getpid():
+        _own.mm.close()
+    _own = None
+    for ring in _peers.values():
+        ring.mm.close()
+    _peers.clear()
 
 
 def joined(w) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -40,6 +41,16 @@ def _idle_until(flag):
 
 def _raise(flag):
     open(flag, "w").close()
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 def _timeout_text(fn):
@@ -388,6 +399,30 @@ def test_shmdist_trace_0_turns_it_off(run_ranks, tmp_path):
                                                                  "SHMDIST_TRACE_DIR": str(tmp_path)})
     assert "Timed out" in text and "flight recorder" not in text
     assert found == [] and os.listdir(tmp_path) == []
+
+
+def _reinit_on_off_on(rank, world_size, init_method, ports):
+    """Three jobs in one process: recorder on, then SHMDIST_TRACE=0, then on."""
+    from shmdist import trace
+    out = []
+    for on, method in zip(("1", "0", "1"), [init_method] + [f"tcp://127.0.0.1:{p}" for p in ports]):
+        os.environ["SHMDIST_TRACE"] = on
+        dist.init_process_group("shm", method, rank=rank, world_size=world_size, timeout=60)
+        text = ""
+        if rank == 0:
+            text = _timeout_text(lambda: dist.recv(np.zeros(1), src=1, tag=4).wait(timeout=0.3))
+        dist.barrier()
+        out.append((len(_trace_fds()), trace.own_ring() is not None, "flight recorder" in text))
+        dist.destroy_process_group()
+    return out
+
+
+def test_shmdist_trace_0_on_a_re_init_drops_the_ring(run_ranks):
+    """destroy_process_group, then init again with SHMDIST_TRACE=0: the ring
+    of the first job is let go (no descriptor, nothing recorded, no table),
+    and a third init with it on makes a new one."""
+    got = run_ranks(_reinit_on_off_on, 2, _free_ports(2), timeout=90, env={"SHMDIST_TRACE": "1"})[0]
+    assert got == [(2, True, True), (0, False, False), (2, True, True)], got
 
 
 def _both_fail(rank, world_size, init_method):
