@@ -22,13 +22,10 @@ cdef extern from "_atomics.h" nogil:
 cdef extern from "_sum.h" nogil:     # float32/float64 SUM and PRODUCT, all inputs in one pass
     int sd_reduce_float(int f64, int op, void *out, const void *const *ins, int n, size_t count)
 
-cdef extern from "_trace.h":           # the flight recorder's C writer (the rest is trace.py)
-    enum: SD_TR_POSTED, SD_TR_WAITING, SD_TR_DONE, SD_TR_FAILED   # entry states
-    enum: SD_TR_SEND, SD_TR_RECV, SD_TR_COLL                      # entry ops (SD_TR_COLL + kind)
+cdef extern from "_trace.h":           # the flight recorder's C writer (layout: SD_TR_*, layout.py)
     uint64_t sd_tr_post(uint32_t op, uint32_t state, int64_t gid, int64_t peer, int64_t tag,
                         uint64_t nbytes, uint64_t coll, const char *dtype16)
-    void sd_tr_set(uint64_t seq, uint32_t state)
-    void sd_tr_done_at_once(uint64_t seq)
+    void sd_tr_set(uint64_t seq, uint32_t state, int at_once)
     void sd_tr_attach(uint8_t *base, uint64_t capacity)
 
 cdef extern from "_half.h" nogil:

@@ -65,6 +65,30 @@ cdef extern from "_layout.h" nogil:
         SD_KIND_BFLOAT16
         SD_KIND_FLOAT16
         SD_NKINDS
+        SD_TR_HEAD
+        SD_TR_ENTRY
+        SD_TR_H_WRITTEN
+        SD_TR_H_CHANGES
+        SD_TR_POSTED
+        SD_TR_WAITING
+        SD_TR_DONE
+        SD_TR_FAILED
+        SD_TR_SEND
+        SD_TR_RECV
+        SD_TR_COLL
+        SD_TR_E_SEQ
+        SD_TR_E_STATE
+        SD_TR_E_OP
+        SD_TR_E_GID
+        SD_TR_E_PEER
+        SD_TR_E_TAG
+        SD_TR_E_NBYTES
+        SD_TR_E_COLL
+        SD_TR_E_POSTED
+        SD_TR_E_ENDED
+        SD_TR_E_THREAD
+        SD_TR_E_DTYPE
+        SD_TR_E_WAIT
         SD_DONE_SPINNING
         SD_DONE
         SD_NOT_YET
@@ -140,6 +164,30 @@ C_LAYOUT = {
     "SD_KIND_BFLOAT16": SD_KIND_BFLOAT16,
     "SD_KIND_FLOAT16": SD_KIND_FLOAT16,
     "SD_NKINDS": SD_NKINDS,
+    "SD_TR_HEAD": SD_TR_HEAD,
+    "SD_TR_ENTRY": SD_TR_ENTRY,
+    "SD_TR_H_WRITTEN": SD_TR_H_WRITTEN,
+    "SD_TR_H_CHANGES": SD_TR_H_CHANGES,
+    "SD_TR_POSTED": SD_TR_POSTED,
+    "SD_TR_WAITING": SD_TR_WAITING,
+    "SD_TR_DONE": SD_TR_DONE,
+    "SD_TR_FAILED": SD_TR_FAILED,
+    "SD_TR_SEND": SD_TR_SEND,
+    "SD_TR_RECV": SD_TR_RECV,
+    "SD_TR_COLL": SD_TR_COLL,
+    "SD_TR_E_SEQ": SD_TR_E_SEQ,
+    "SD_TR_E_STATE": SD_TR_E_STATE,
+    "SD_TR_E_OP": SD_TR_E_OP,
+    "SD_TR_E_GID": SD_TR_E_GID,
+    "SD_TR_E_PEER": SD_TR_E_PEER,
+    "SD_TR_E_TAG": SD_TR_E_TAG,
+    "SD_TR_E_NBYTES": SD_TR_E_NBYTES,
+    "SD_TR_E_COLL": SD_TR_E_COLL,
+    "SD_TR_E_POSTED": SD_TR_E_POSTED,
+    "SD_TR_E_ENDED": SD_TR_E_ENDED,
+    "SD_TR_E_THREAD": SD_TR_E_THREAD,
+    "SD_TR_E_DTYPE": SD_TR_E_DTYPE,
+    "SD_TR_E_WAIT": SD_TR_E_WAIT,
     "SD_DONE_SPINNING": SD_DONE_SPINNING,
     "SD_DONE": SD_DONE,
     "SD_NOT_YET": SD_NOT_YET,

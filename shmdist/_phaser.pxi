@@ -82,10 +82,7 @@ cdef class Phaser:
                 if memcmp(f + at, f + i * self.stride + at, nd):
                     return SD_DIFFER
         if nd and self.trace_gid >= 0:     # trace: passed, or waiting for the others
-            if done == SD_DONE_SPINNING:
-                sd_tr_done_at_once(self.tseq)
-            else:
-                sd_tr_set(self.tseq, SD_TR_DONE if done else SD_TR_WAITING)
+            sd_tr_set(self.tseq, SD_TR_DONE if done else SD_TR_WAITING, done == SD_DONE_SPINNING)
         return done
 
     def enter(self, bytes desc=None):

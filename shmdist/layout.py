@@ -125,6 +125,51 @@ def kind_of(name: str) -> int:
     return [k for k, _ in KERNEL_KINDS].index(name)
 
 
+# ---------------------------------------------------------------- flight recorder
+# Each rank's ring of its recent operations (trace.py makes and reads it; the
+# hot paths write entries in C, _trace.h). A header page, then TRACE_CAPACITY
+# entries of TRACE_ENTRY bytes; the entry of sequence number s (from 1) is at
+# TRACE_HEAD + ((s - 1) & (capacity - 1)) * TRACE_ENTRY. Little-endian.
+
+TRACE_MAGIC = int.from_bytes(b"SHMDTRC1", "little")
+TRACE_VERSION = 1
+TRACE_HEAD = 4096             # the header page
+TRACE_ENTRY = 128
+# magic, version, entry bytes, capacity (a power of two), entries written, changes (posts and
+# state changes), rank, world size, pid, state (TRACE_LIVE/LEFT), metadata bytes,
+# CLOCK_MONOTONIC_COARSE ns and time.time_ns() when made (to turn entry times into wall times)
+TRACE_HDR = struct.Struct("<QIIQQQqqqIIQQ")
+TRACE_H_WRITTEN = 24          # uint64, stored last when an entry is added
+TRACE_H_CHANGES = 32          # uint64
+TRACE_H_RANK = 40             # int64 rank, int64 world size
+TRACE_H_STATE = 64            # uint32
+TRACE_H_META_LEN = 68         # uint32: bytes of JSON metadata at TRACE_META_AT (0 while rewritten)
+TRACE_META_AT = 512
+TRACE_META_MAX = TRACE_HEAD - TRACE_META_AT
+TRACE_LIVE, TRACE_LEFT = 1, 2
+# seq (0 while being written), state, op, group id, peer (dst, src or root; TRACE_ANY, -1 none),
+# tag (p2p) or ReduceOp code (collectives), bytes, collective number in its group (0 for p2p),
+# posted ns, ended ns, thread, dtype name (NUL-padded), ns when it began to block
+TRACE_ENT = struct.Struct(f"<QIIqqqQQQQQ{DTYPE_BYTES}sQ")
+TRACE_E_SEQ = 0
+TRACE_E_STATE = 8
+TRACE_E_OP = 12
+TRACE_E_GID = 16
+TRACE_E_PEER = 24
+TRACE_E_TAG = 32
+TRACE_E_NBYTES = 40
+TRACE_E_COLL = 48
+TRACE_E_POSTED = 56
+TRACE_E_ENDED = 64
+TRACE_E_THREAD = 72
+TRACE_E_DTYPE = 80
+TRACE_E_WAIT = TRACE_E_DTYPE + DTYPE_BYTES
+TRACE_STATES = ("posted", "waiting", "done", "failed")     # entry states, codes 1, 2, 3, 4
+TRACE_POSTED, TRACE_WAITING, TRACE_DONE, TRACE_FAILED = range(1, len(TRACE_STATES) + 1)
+TRACE_SEND, TRACE_RECV = 1, 2          # entry ops; a collective's is TRACE_COLL + its KINDS index
+TRACE_COLL = 16
+TRACE_ANY = -2                # the peer of a receive from any rank
+
 # ---------------------------------------------------------------- what the core returns
 # The outcomes of the core's waits, takes and phases: one name, and one value,
 # per meaning, shared by C and Python.
@@ -165,6 +210,10 @@ def c_constants() -> dict[str, int]:
     c.update({f"SD_OP_{name}": i for i, name in enumerate(OPS)})
     c.update({f"SD_KIND_{name.upper()}": i for i, (name, _) in enumerate(KERNEL_KINDS)})
     c["SD_NKINDS"] = len(KERNEL_KINDS)
+    c.update({f"SD_TR_{name[6:]}": globals()[name] for name in (
+        "TRACE_HEAD", "TRACE_ENTRY", "TRACE_H_WRITTEN", "TRACE_H_CHANGES",
+        "TRACE_POSTED", "TRACE_WAITING", "TRACE_DONE", "TRACE_FAILED", "TRACE_SEND", "TRACE_RECV", "TRACE_COLL")})
+    c.update({f"SD_TR_{name[6:]}": globals()[name] for name in globals() if name.startswith("TRACE_E_")})
     c.update({f"SD_{name}": globals()[name] for name in CODES})
     return c
 

@@ -504,3 +504,40 @@ def test_hang_after_stays_quiet_while_ranks_compute(tmp_path):
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr
     assert "no rank progressed" not in out.stderr
+
+
+# ---------------------------------------------------------------- the layout, defined once
+
+def test_the_c_writer_and_the_python_reader_share_layout_py():
+    """Entry offsets name the struct's fields, and what C writes (sd_tr_post,
+    sd_tr_set) Python reads back field by field."""
+    from shmdist import _core, layout, trace
+    raw = bytes(range(256))[:layout.TRACE_ENT.size]
+    fields = layout.TRACE_ENT.unpack(raw)
+    offsets = [layout.TRACE_E_SEQ, layout.TRACE_E_STATE, layout.TRACE_E_OP, layout.TRACE_E_GID,
+               layout.TRACE_E_PEER, layout.TRACE_E_TAG, layout.TRACE_E_NBYTES, layout.TRACE_E_COLL,
+               layout.TRACE_E_POSTED, layout.TRACE_E_ENDED, layout.TRACE_E_THREAD, layout.TRACE_E_DTYPE,
+               layout.TRACE_E_WAIT]
+    sizes = [8, 4, 4, 8, 8, 8, 8, 8, 8, 8, 8, layout.DTYPE_BYTES, 8]
+    for value, at, size in zip(fields, offsets, sizes):
+        got = raw[at:at + size]
+        assert got == value or int.from_bytes(got, "little", signed=True) == value or \
+            int.from_bytes(got, "little") == value
+    assert layout.TRACE_ENT.size <= layout.TRACE_ENTRY and layout.TRACE_HDR.size <= layout.TRACE_META_AT
+    own = trace._Own(4)
+    try:
+        _core.trace_attach(own.addr, own.capacity)
+        seq = _core.trace_post(layout.TRACE_COLL + layout.KINDS.index("reduce"), layout.TRACE_POSTED, 7, 3,
+                               int(dist.ReduceOp.MAX), 4096, 12, b"float64".ljust(16, b"\0"))
+        _core.trace_set(seq, layout.TRACE_WAITING)
+        (e,) = trace.Ring(own.mm).entries()
+        assert (e.seq, e.state, e.kind, e.gid, e.peer, e.tag, e.nbytes, e.coll, e.dtype) == \
+            (1, layout.TRACE_WAITING, "reduce", 7, 3, int(dist.ReduceOp.MAX), 4096, 12, "float64")
+        assert e.posted and e.wait_began >= e.posted and e.ended == 0
+        _core.trace_set(seq, layout.TRACE_DONE)
+        (e,) = trace.Ring(own.mm).entries()
+        assert e.state == layout.TRACE_DONE and e.ended >= e.wait_began
+        assert trace.Ring(own.mm).changes == 3
+    finally:
+        _core.trace_attach(0, 0)
+        own.mm.close()
