@@ -23,6 +23,19 @@ from ranks import wait_until_gone
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _shm_names():
+    return {n for n in os.listdir("/dev/shm") if "shmdist" in n or "trace" in n}
+
+
+@pytest.fixture(autouse=True)
+def _nothing_new_in_dev_shm():
+    """Every test here, each hang included: the recorders and segments are
+    nameless, so nothing of ours appears in /dev/shm."""
+    before = _shm_names()
+    yield
+    assert not _shm_names() - before
+
+
 def _short_timeout(seconds):
     """Give the collectives of this rank's groups a short timeout now that
     the (slower, on a loaded host) set-up is done."""
@@ -541,3 +554,89 @@ def test_the_c_writer_and_the_python_reader_share_layout_py():
     finally:
         _core.trace_attach(0, 0)
         own.mm.close()
+
+
+# ---------------------------------------------------------------- every classic hang through torch's "shm"
+
+def _torch_classic(rank, world_size, init_method, case, flag):
+    """Build the classic hang ``case`` with torch.distributed over backend
+    "shm"; return the text of the error the rank that times out (or
+    survives) gets, "" for the others."""
+    import datetime
+    import torch
+    import torch.distributed as tdist
+    import shmdist.torch  # noqa: F401  (registers the backend)
+    tdist.init_process_group("shm", init_method=init_method, rank=rank, world_size=world_size,
+                             timeout=datetime.timedelta(seconds=60))
+    sub = tdist.new_group([1, 2]) if case == "different" else None
+    t = torch.ones(4)
+    tdist.all_reduce(t)                       # collective #1 of WORLD: everyone
+    short = datetime.timedelta(seconds=1.5)
+
+    def text_of(fn):
+        try:
+            fn()
+        except Exception as e:     # noqa: BLE001 - the test reads its text
+            return f"{type(e).__name__}: {e}"
+        raise AssertionError("expected an error")
+
+    text = ""
+    if case == "never":
+        _short_timeout(1.5 if rank == 0 else 30)
+        if rank != 2:
+            text = text_of(lambda: tdist.broadcast(t, src=0))     # #2: rank 2 skips it
+            _raise(flag)
+        else:
+            _idle_until(flag)
+    elif case == "different":
+        _short_timeout(1.5 if rank == 0 else 30)
+        text = text_of(lambda: tdist.all_reduce(t, group=sub if rank == 1 else None))
+        return text
+    elif case == "send":
+        if rank == 0:
+            text = text_of(lambda: tdist.isend(torch.ones(1 << 18), dst=1).wait(short))
+            _raise(flag)
+        else:
+            _idle_until(flag)
+    elif case == "tags":
+        if rank == 0:
+            tdist.send(torch.ones(1), dst=1, tag=0)
+            _idle_until(flag)
+        else:
+            text = text_of(lambda: tdist.irecv(torch.zeros(1), src=0, tag=9).wait(short))
+            _raise(flag)
+    elif case == "gone":
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return text_of(lambda: tdist.barrier())
+    tdist.destroy_process_group()
+    return text
+
+
+TORCH_CASES = {   # case: (ranks, the rank whose text is read, what it must say)
+    "never": (3, 0, ["rank 0: in broadcast #2 of WORLD (root 0, 16 B float32), waiting for rank 2",
+                     "a rank that never called it: ranks 0,1 wait in broadcast #2 of WORLD (root 0, 16 B "
+                     "float32), but rank 2 is not inside any shmdist call"]),
+    "different": (3, 0, ["rank 1: in all_reduce #1 (group [1, 2], SUM, 16 B float32), waiting for rank 2",
+                         "a rank in a different collective: ranks 0,2 wait in all_reduce #2 of WORLD (SUM, 16 B "
+                         "float32), but rank 1 is in all_reduce #1 (group [1, 2], SUM, 16 B float32)"]),
+    "send": (2, 0, ["a send nobody receives: rank 0 waits in send to rank 1 (tag 0, 1 MiB float32) (too big to "
+                    "leave in the ring), but rank 1 does not receive it: rank 1 is not inside any shmdist call"]),
+    "tags": (2, 1, ["rank 1: in recv from rank 0 (tag 9, 4 B float32), waiting for rank 0",
+                    "tags differ: rank 1 waits in recv from rank 0 (tag 9, 4 B float32), but rank 0's send to "
+                    "rank 1 (tag 0, 4 B float32) does not match it; use the same tag and group on both sides"]),
+    "gone": (3, 0, ["rank 2: gone (process", "a rank that is gone: rank 2 (process"]),
+}
+
+
+@pytest.mark.parametrize("case", list(TORCH_CASES))
+def test_each_classic_hang_through_torch_backend_shm(run_ranks, tmp_path, case):
+    """(The receive nobody sends to: test_through_torch_backend_shm.)"""
+    pytest.importorskip("torch")
+    n, reader, wanted = TORCH_CASES[case]
+    results = run_ranks(_torch_classic, n, case, str(tmp_path / "flag"), timeout=120, errors="return",
+                        env={"SHMDIST_RING_BYTES": "65536"} if case == "send" else None)
+    text = str(results[reader])
+    print(text)
+    for line in wanted:
+        assert line in text, f"{line!r} not in:\n{text}"
