@@ -10,8 +10,10 @@ over the rounds with their range; wall time and the thread's CPU time.
 
 Between the phases of a run the two ranks hand over through a socketpair,
 never through shmdist: a rank that waits for its turn sleeps in the
-kernel, out of the way of what is measured (a shmdist barrier would leave
-it asleep on its doorbell, which the peer's sends and receives ring).
+kernel, out of the way of what is measured. "recv_barrier" measures that
+other case on purpose: the receives of a rank whose peer sleeps in a
+shmdist barrier (which cost a futex_wake syscall per receive until the
+doorbells woke only whom the news is for).
 
 Each run reports, per pattern, the fastest of BATCHES batches (the one
 least disturbed on a shared host), wall and CPU; ``--inproc`` times the
@@ -38,6 +40,7 @@ PING_ITERS = 2000
 STREAM = (1 << 20, 64)   # bytes per message, messages per batch
 
 PATTERNS = {"send": "8 B send (into the ring)", "recv": "8 B recv (already there)",
+            "recv_barrier": "8 B recv, peer in a barrier",
             "pingpong": "8 B ping-pong, one way", "all_reduce_8": "all_reduce 8 B, 2 ranks",
             "all_reduce_4k": "all_reduce 4 KiB, 2 ranks", "stream": "1 MiB stream, per message"}
 
@@ -110,6 +113,19 @@ def _worker(rank: int, fd: int, patterns: list[str], inproc: bool) -> None:
                 turns.give()
                 if keep:
                     note("recv", attached, t)
+        if "recv_barrier" in patterns:     # as above, but rank 0 waits in a shmdist barrier meanwhile
+            if rank == 0:
+                for _ in range(P2P_ITERS):
+                    dist.send(x, 1)
+                turns.give()
+                dist.barrier()         # spins, then sleeps on its doorbell: what do rank 1's receives ring?
+            else:
+                turns.take()
+                time.sleep(0.02)       # rank 0 is asleep by now
+                t = _timed(lambda: dist.recv(x, 0), P2P_ITERS)
+                dist.barrier()
+                if keep:
+                    note("recv_barrier", attached, t)
         if "pingpong" in patterns:
             turns.both()
             if rank == 0:
