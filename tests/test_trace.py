@@ -323,6 +323,8 @@ def test_hang_after_prints_the_table_by_itself(tmp_path):
 # ---------------------------------------------------------------- history on failure, switching it off
 
 def _history(rank, world_size, init_method, flag):
+    if rank == 1:
+        time.sleep(0.8)     # rank 0's set-up waits in slices meanwhile: their timeouts are not errors
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     x = np.arange(6, dtype=np.float64)
     dist.all_reduce(x)
@@ -343,6 +345,7 @@ def test_history_json_on_a_dist_error(run_ranks, tmp_path):
     hist = json.loads((tmp_path / "shmdist-trace-rank0.json").read_text())
     assert hist["format"] == "shmdist-trace" and hist["version"] == 1
     assert hist["rank"] == 0 and hist["world_size"] == 2 and hist["groups"] == {"0": [0, 1]}
+    assert len(hist["errors"]) == 1, hist["errors"]
     assert "Timed out" in hist["errors"][0] and "a receive nobody sends to" in hist["diagnosis"]
     ar, send, recv = hist["entries"][-3:]
     assert {k: ar[k] for k in ("op", "state", "group", "group_ranks", "collective", "root", "reduce_op",
