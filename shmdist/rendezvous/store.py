@@ -22,7 +22,7 @@ import threading
 import time
 from urllib.parse import urlparse, unquote
 
-from shmdist import settings
+from shmdist import errors, settings
 from shmdist.errors import DistError, DistTimeoutError
 
 SECRET_ENV = "SHMDIST_SECRET"
@@ -947,7 +947,8 @@ class WatchedStore:
             if not pid_alive(pid):
                 from shmdist.errors import DistPeerError
                 try:        # it may have left over another rank's death, and said so
-                    cause = self.store.get(f"failed/{r}", 0.0).decode(errors="replace")
+                    with errors.expected():
+                        cause = self.store.get(f"failed/{r}", 0.0).decode(errors="replace")
                 except DistError:
                     cause = ""
                 if cause:
@@ -966,7 +967,8 @@ class WatchedStore:
         if not self.owned:
             return ""
         try:
-            return self.store.get(self.DEPARTED, 0.0).decode(errors="replace").rstrip(";")
+            with errors.expected():
+                return self.store.get(self.DEPARTED, 0.0).decode(errors="replace").rstrip(";")
         except DistError:
             return ""
 
@@ -982,7 +984,8 @@ class WatchedStore:
         deadline = time.monotonic() + total
         while True:
             try:
-                return call(min(self.SLICE, max(0.01, deadline - time.monotonic())))
+                with errors.expected():     # a slice's timeout is no error of the job's (flight recorder)
+                    return call(min(self.SLICE, max(0.01, deadline - time.monotonic())))
             except DistTimeoutError:
                 for r, pid in self.peers.items():
                     if not pid_alive(pid):
