@@ -54,6 +54,7 @@ enum {
     SD_CALL_REDUCE_SCATTER = 7,
     SD_CALL_ALL_TO_ALL = 8,
     SD_CALL_REFUSED = 9,
+    SD_CALL_EMPTY = 10,
     SD_OP_SUM = 0,
     SD_OP_PRODUCT = 1,
     SD_OP_MIN = 2,

@@ -90,7 +90,7 @@ DESC_DTYPE = 40
 DESC_EXTRA = DESC_DTYPE + DTYPE_BYTES
 # refused: a call whose own arguments were bad (its op field: the kind it refused)
 KINDS = ("barrier", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
-         "reduce_scatter", "all_to_all", "refused")
+         "reduce_scatter", "all_to_all", "refused", "empty")
 
 
 def pack_desc(kind: str, nbytes: int, op: int, root: int, dtype: bytes, extra: int) -> bytes:

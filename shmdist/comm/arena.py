@@ -562,7 +562,7 @@ def mismatch(message: str, descs: list) -> DistMismatchError:
 
 
 def _describe(d: tuple) -> str:
-    _, kind, nbytes, op, root, dtype, _ = d
+    _, kind, nbytes, op, root, dtype, extra = d
     name = KINDS[kind] if kind < len(KINDS) else f"collective kind {kind}"
     if name == "refused":
         of = KINDS[op] if 0 <= op < len(KINDS) else "a collective"
@@ -574,4 +574,8 @@ def _describe(d: tuple) -> str:
         args.append(f"root={root}")
     if name != "barrier":
         args.append(f"{nbytes} bytes of {dtype.rstrip(bytes(1)).decode()}")
+    if name == "empty":
+        args.append(f"shape digest {extra:08x}")
+    elif extra and name in ("all_reduce", "broadcast"):     # in place (comm/shared.py)
+        args.append(f"in place in shmdist.empty memory #{extra >> 40} at offset {extra & (1 << 40) - 1}")
     return f"{name}({', '.join(args)})"
