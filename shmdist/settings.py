@@ -78,6 +78,9 @@ SETTINGS = {s.name: s for s in (
             "the address this rank's TCP transport listens on, when the default is wrong"),
     Setting("SHMDIST_INTER", "auto", lambda text: text.strip().lower() or "auto",
             "the engine between hosts: gloo, mpi or tcp; auto picks (inter.py)"),
+    Setting("SHMDIST_SHARD_BYTES", 256 << 10, _int,
+            "all_reduce across hosts at least this big is sharded: local rank i carries the i-th share "
+            "between hosts (hier.py); 0 never"),
     Setting("SHMDIST_TRACE", True, _flag,
             "0 turns the flight recorder off (trace.py)"),
     Setting("SHMDIST_TRACE_SIZE", None, str,

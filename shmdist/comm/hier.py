@@ -28,13 +28,15 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from shmdist import _core, layout
+from shmdist import _core, layout, settings
 from shmdist.comm import arena
 from shmdist.comm import inter
 from shmdist.transport.engine import COLLECTIVE_GID
 from shmdist.errors import DistError, DistPeerError, DistTimeoutError
 from shmdist.reduce_ops import ReduceOp, _from_f32, _to_f32, reduce_into
 from shmdist.tensors import Buf, as_buf
+
+sharded = {"calls": 0}   # all_reduces this process ran sharded (tests, bench)
 
 
 def open_group(world, group) -> "HierComm":
@@ -77,6 +79,10 @@ class HierComm:
         self.order = [r for members in nodes for r in members]   # table rows: node by node
         self.broken: str | None = None
         self.lock = threading.Lock()
+        # Lanes (sharded all_reduce, below): local rank i of every node forms lane i; lane 0 is the leaders.
+        self.lane_index = self.local.index(self.rank)
+        self.lane = [m[self.lane_index] for m in nodes if len(m) > self.lane_index]
+        self.even = len({len(m) for m in nodes}) == 1
         self.inter = inter.for_comm(self)   # the leaders' leg on gloo/MPI (inter.py), or None: the engine
 
     def arena_bytes(self) -> int:
@@ -214,6 +220,9 @@ class HierComm:
         what = f"all_reduce({op.name}, {buf.describe()})" if root < 0 else \
             f"reduce({op.name}, dst={dst}, {buf.describe()})"
         self._check(what, (kind, buf.nbytes, int(op), root, buf.dtype, 0), timeout)
+        if root < 0 and self._shards(buf.nbytes):
+            self._sharded_all_reduce(buf, arr, op, what, timeout)
+            return
         half = buf.dtype in ("float16", "bfloat16")
         gets_result = root < 0 or dst == self.rank
         # The node and leader steps run on ``work``: the tensor itself, or a copy (in float32
@@ -242,6 +251,72 @@ class HierComm:
                 self._exchange(what, [(result, dst)], [], timeout)
             elif self.rank == dst:
                 self._exchange(what, [], [(buf, self.local[0])], timeout)
+
+    # ------------------------------------------------------------ sharded all_reduce
+
+    def _shards(self, nbytes: int) -> bool:
+        """Whether an all_reduce of ``nbytes`` runs sharded: big enough
+        (SHMDIST_SHARD_BYTES), several ranks per node and the same number on
+        every node (lane i then has one member per node)."""
+        least = settings.get("SHMDIST_SHARD_BYTES")
+        return (least > 0 and nbytes >= least and self.even and len(self.local) > 1
+                and len(self.nodes) > 1)
+
+    def _sharded_all_reduce(self, buf, arr: np.ndarray, op: ReduceOp, what: str, timeout: float) -> None:
+        """all_reduce where every local rank carries a share of the bytes
+        between hosts, instead of the leader carrying all of them:
+
+        1. all_reduce inside the node (shared memory): every local rank
+           holds the node's partial;
+        2. local rank i sends its share i (layout.parts of the elements)
+           to rank i of every other node and receives theirs (its lane:
+           the inter-host engine's all_gather among the lane, or the
+           point-to-point engine), and reduces the nodes' shares in node
+           order; AVG divides by the group size here;
+        3. each local rank broadcasts its reduced share inside the node.
+
+        The same reductions in the same order as the leader path (the node's
+        partial, then the nodes in node order), so the same bytes; half
+        floats are reduced in float32 and rounded once."""
+        sharded["calls"] += 1
+        try:
+            self._sharded_steps(buf, arr, op, what, timeout)
+        except (DistTimeoutError, DistPeerError) as e:
+            raise inter.shares_were_away(self, e) from e
+
+    def _sharded_steps(self, buf, arr: np.ndarray, op: ReduceOp, what: str, timeout: float) -> None:
+        half = buf.dtype in ("float16", "bfloat16")
+        work = _to_f32(arr, buf.dtype) if half else arr
+        wdtype = "float32" if half else buf.dtype
+        wbuf = buf if work is arr else _array_buf(work, wdtype)
+        with self._step(what):
+            self.comm.all_reduce(wbuf, work, ReduceOp.SUM if op == ReduceOp.AVG else op, timeout)
+        flat = work.reshape(-1)
+        shares = layout.parts(flat.size, len(self.local))
+        start, length = shares[self.lane_index]
+        mine = flat[start:start + length]
+        if length:
+            got = {p: np.empty_like(mine) for p in self.lane if p != self.rank}
+            self._lane_all_gather(what, mine, got, timeout)
+            out = np.empty_like(mine)
+            reduce_into(out, [mine if p == self.rank else got[p] for p in self.lane], op, wdtype, self.n)
+            np.copyto(mine, out)
+        with self._step(what):
+            for j, (s, ln) in enumerate(shares):
+                if ln:
+                    self.comm.broadcast(_array_buf(flat[s:s + ln], wdtype), j, timeout)
+        if half:
+            _from_f32(work, arr, buf.dtype)
+
+    def _lane_all_gather(self, what: str, mine: np.ndarray, got: dict, timeout: float) -> None:
+        """This rank's share to every other member of its lane, theirs into ``got``."""
+        who = f"rank {self.rank}: {what}"
+        if self.inter and self.inter.gathers:
+            with self._step(what):
+                self.inter.all_gather(what, mine, got, timeout)
+            return
+        self._exchange(what, [(as_buf(mine, writable=False, who=who), p) for p in got],
+                       [(as_buf(a, writable=True, who=who), p) for p, a in got.items()], timeout)
 
     def _leaders_reduce(self, work: np.ndarray, op: ReduceOp, dtype: str, what: str,
                         timeout: float) -> None:
