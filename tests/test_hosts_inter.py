@@ -51,9 +51,9 @@ def test_collectives_on_pretend_hosts(run_ranks, pretend_hosts, engine, layout):
     got = run_ranks(in_host, 4, h.pids, layout, _with_engine, engine, run_cases, CASES, timeout=300,
                     init_method=master_url(h))
     assert {g["chosen"] for g in got} == {engine}
-    leaders = sorted({layout.index(0), layout.index(1)})
     moved = [got[r]["carried"]["bytes"] > 0 for r in range(4)]
-    assert moved == [engine != "tcp" and r in leaders for r in range(4)]   # the engine carried the leaders' leg
+    # the engine carried every lane's leg (leaders', and gather/scatter/all_to_all's rank to rank i of the other host)
+    assert moved == [engine != "tcp"] * 4
     assert_all_good([g["result"] for g in got])
 
 
@@ -65,12 +65,18 @@ def test_point_to_point_on_pretend_hosts(run_ranks, pretend_hosts, engine):
     assert [g["result"] for g in got] == [expected_p2p(r, 4) for r in range(4)]
 
 
-def test_auto_engine_is_tcp_outside_mpi(monkeypatch):
-    """gloo is opt-in (slower as built, see inter.py); MPI is automatic only under an MPI launcher."""
+def test_auto_engine_is_gloo_with_torch_outside_mpi(monkeypatch):
+    """auto: MPI under an MPI launcher (with mpi4py), else gloo with torch and backend shm, else tcp."""
     from shmdist.comm import inter
     for k in ("SHMDIST_INTER", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(k, raising=False)
+    assert inter.choose() == ("gloo" if HAVE_TORCH else "tcp")
+    assert inter.choose("tcp") == "tcp"
+    monkeypatch.setattr(inter, "_importable", lambda name: False)
     assert inter.choose() == "tcp"
+    monkeypatch.undo()
+    for k in ("SHMDIST_INTER", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("SHMDIST_INTER", "GLOO")
     assert inter.choose() == "gloo"
     monkeypatch.delenv("SHMDIST_INTER")

@@ -24,7 +24,6 @@ from shmdist.reduce_ops import ReduceOp, as_op, check, reduce_into
 from shmdist.request import completed
 from shmdist import _core
 from shmdist.transport.engine import COLLECTIVE_GID
-from shmdist.request import DistributedRequest
 from shmdist.tensors import Buf, as_buf, describe, typed_view
 from shmdist.comm import shared as _shared
 
@@ -488,20 +487,13 @@ def _check_sizes(g, comm, who, outs, ins):
 
 
 def _exchange_p2p(w, g, who, outs, ins):
+    """Every rank sends its j-th input to group rank j and receives its j-th
+    output from it, by point-to-point messages (Engine.exchange)."""
     me = g.rank()
-    gid = COLLECTIVE_GID | g.gid
-    reqs = []
-    for j, r in enumerate(g.ranks):
-        if j == me:
-            _core.copy(outs[j].addr, ins[j].addr, ins[j].nbytes)
-            continue
-        rq = DistributedRequest(w.engine, f"{who.partition(': ')[2]} receive from rank {r}")
-        w.engine.recv(rq, outs[j], r, gid, 0, g.ranks)
-        sq = DistributedRequest(w.engine, f"{who.partition(': ')[2]} send to rank {r}")
-        w.engine.send(sq, ins[j], r, gid, 0)
-        reqs += [rq, sq]
-    for q in reqs:
-        q.wait(g.timeout)
+    _core.copy(outs[me].addr, ins[me].addr, ins[me].nbytes)
+    others = [(j, r) for j, r in enumerate(g.ranks) if j != me]
+    w.engine.exchange(who.partition(": ")[2], [(ins[j], r) for j, r in others], [(outs[j], r) for j, r in others],
+                      COLLECTIVE_GID | g.gid, g.ranks, g.timeout)
 
 
 # ---------------------------------------------------------------- object collectives

@@ -28,29 +28,15 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from shmdist import _core, layout
-from shmdist.comm import arena as collectives
+from shmdist import _core, layout, settings
+from shmdist.comm import arena
 from shmdist.comm import inter
 from shmdist.transport.engine import COLLECTIVE_GID
 from shmdist.errors import DistError, DistPeerError, DistTimeoutError
 from shmdist.reduce_ops import ReduceOp, _from_f32, _to_f32, reduce_into
-from shmdist.request import DistributedRequest
 from shmdist.tensors import Buf, as_buf
 
-TAG = 0
-
-
-class _Node:
-    """The members of a group on one node, as collectives.open_group needs them."""
-
-    def __init__(self, gid: str, ranks: list[int], rank: int):
-        self.gid, self.ranks, self._rank = gid, tuple(ranks), ranks.index(rank)
-
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def rank(self) -> int:
-        return self._rank
+sharded = {"calls": 0}   # all_reduces this process ran sharded (tests, bench)
 
 
 def open_group(world, group) -> "HierComm":
@@ -61,7 +47,7 @@ def open_group(world, group) -> "HierComm":
     mine = nodes[world.nodes[world.rank]]
     comm = None
     if len(mine) > 1:
-        comm = collectives.open_group(world, _Node(f"{group.gid}/{mine[0]}", mine, world.rank))
+        comm = arena.open_group(world, f"{group.gid}/{mine[0]}", mine)
     return HierComm(world, group, list(nodes.values()), comm)
 
 
@@ -75,7 +61,7 @@ def _piece(addr: int, nbytes: int) -> Buf:
 
 
 class HierComm:
-    """collectives.Comm for a group spanning nodes (GroupComm is the one for
+    """arena.Comm for a group spanning nodes (GroupComm is the one for
     a group inside one node)."""
 
     def __init__(self, world, group, nodes: list[list[int]], comm):
@@ -93,6 +79,10 @@ class HierComm:
         self.order = [r for members in nodes for r in members]   # table rows: node by node
         self.broken: str | None = None
         self.lock = threading.Lock()
+        # Lanes (sharded all_reduce, below): local rank i of every node forms lane i; lane 0 is the leaders.
+        self.lane_index = self.local.index(self.rank)
+        self.lane = [m[self.lane_index] for m in nodes if len(m) > self.lane_index]
+        self.even = len({len(m) for m in nodes}) == 1
         self.inter = inter.for_comm(self)   # the leaders' leg on gloo/MPI (inter.py), or None: the engine
 
     def arena_bytes(self) -> int:
@@ -134,29 +124,18 @@ class HierComm:
             raise
 
     def _exchange(self, what: str, sends: list, recvs: list, timeout: float) -> None:
-        """Post ``recvs`` [(buf, src)] and ``sends`` [(buf, dst)], wait for all."""
+        """Post ``recvs`` [(buf, src)] and ``sends`` [(buf, dst)], wait for all (Engine.exchange)."""
         between = None
         if self.inter:   # takes the leader-to-leader messages (see inter.py)
             with self._step(what):
                 sends, recvs, between = self.inter.start(what, sends, recvs, timeout)
-        reqs = []
-        for buf, src in recvs:
-            req = DistributedRequest(self.engine, f"{what}: receive from rank {src}")
-            self.engine.recv(req, buf, src, self.gid, TAG, self.group.ranks)
-            reqs.append(req)
-        for buf, dst in sends:
-            req = DistributedRequest(self.engine, f"{what}: send to rank {dst}")
-            self.engine.send(req, buf, dst, self.gid, TAG)
-            reqs.append(req)
         with self._step(what):
-            req = None
             try:
-                for req in reqs:
-                    req.wait(timeout)
+                self.engine.exchange(what, sends, recvs, self.gid, self.group.ranks, timeout)
                 if between:
                     between.wait(timeout)
             except (DistTimeoutError, DistPeerError) as e:   # name the host the peer is on
-                raise inter.on_host(self, e, getattr(req, "_peers", None) or ()) from e
+                raise inter.on_host(self, e, getattr(e, "peers", ())) from e
 
     def _local_broadcast(self, buf, root: int, what: str, timeout: float) -> None:
         """Broadcast inside this node from global rank ``root``."""
@@ -167,7 +146,7 @@ class HierComm:
     def _check(self, what: str, desc: tuple, timeout: float) -> None:
         """Compare every member's descriptor of this call (see the module doc)."""
         if self.broken:
-            raise collectives.unusable(self.rank, what, self.group.ranks, self.broken)
+            raise arena.unusable(self.rank, what, self.group.ranks, self.broken)
         kind, nbytes, op, root, dtype, extra = desc
         mine = np.frombuffer(layout.pack_desc(kind, nbytes, op, self.group.ranks[root] if root >= 0 else -1,
                                               dtype.encode(), extra), dtype=np.int64)
@@ -188,7 +167,7 @@ class HierComm:
                               self.local[0], what, timeout)
         if (table != table[0]).any():
             descs = [_desc(rows[r]) for r in self.group.ranks]
-            raise collectives.disagree(self.rank, what, self.group.ranks, descs)
+            raise arena.disagree(self.rank, what, self.group.ranks, descs)
 
     def _block(self, table: np.ndarray, node: int) -> Buf:
         """The table rows of one node's members, as a buffer."""
@@ -206,7 +185,7 @@ class HierComm:
 
     def refuse(self, kind: str, timeout: float) -> None:
         """As GroupComm.refuse."""
-        self._check(f"{kind} (refused)", collectives.refused(kind), timeout)
+        self._check(f"{kind} (refused)", arena.refused(kind), timeout)
 
     def broadcast(self, buf, root: int, timeout: float) -> None:
         """Inside the root's node, then root's leader to the other leaders,
@@ -241,6 +220,9 @@ class HierComm:
         what = f"all_reduce({op.name}, {buf.describe()})" if root < 0 else \
             f"reduce({op.name}, dst={dst}, {buf.describe()})"
         self._check(what, (kind, buf.nbytes, int(op), root, buf.dtype, 0), timeout)
+        if root < 0 and self._shards(buf.nbytes):
+            self._sharded_all_reduce(buf, arr, op, what, timeout)
+            return
         half = buf.dtype in ("float16", "bfloat16")
         gets_result = root < 0 or dst == self.rank
         # The node and leader steps run on ``work``: the tensor itself, or a copy (in float32
@@ -269,6 +251,72 @@ class HierComm:
                 self._exchange(what, [(result, dst)], [], timeout)
             elif self.rank == dst:
                 self._exchange(what, [], [(buf, self.local[0])], timeout)
+
+    # ------------------------------------------------------------ sharded all_reduce
+
+    def _shards(self, nbytes: int) -> bool:
+        """Whether an all_reduce of ``nbytes`` runs sharded: big enough
+        (SHMDIST_SHARD_BYTES), several ranks per node and the same number on
+        every node (lane i then has one member per node)."""
+        least = settings.get("SHMDIST_SHARD_BYTES")
+        return (least > 0 and nbytes >= least and self.even and len(self.local) > 1
+                and len(self.nodes) > 1)
+
+    def _sharded_all_reduce(self, buf, arr: np.ndarray, op: ReduceOp, what: str, timeout: float) -> None:
+        """all_reduce where every local rank carries a share of the bytes
+        between hosts, instead of the leader carrying all of them:
+
+        1. all_reduce inside the node (shared memory): every local rank
+           holds the node's partial;
+        2. local rank i sends its share i (layout.parts of the elements)
+           to rank i of every other node and receives theirs (its lane:
+           the inter-host engine's all_gather among the lane, or the
+           point-to-point engine), and reduces the nodes' shares in node
+           order; AVG divides by the group size here;
+        3. each local rank broadcasts its reduced share inside the node.
+
+        The same reductions in the same order as the leader path (the node's
+        partial, then the nodes in node order), so the same bytes; half
+        floats are reduced in float32 and rounded once."""
+        sharded["calls"] += 1
+        try:
+            self._sharded_steps(buf, arr, op, what, timeout)
+        except (DistTimeoutError, DistPeerError) as e:
+            raise inter.shares_were_away(self, e) from e
+
+    def _sharded_steps(self, buf, arr: np.ndarray, op: ReduceOp, what: str, timeout: float) -> None:
+        half = buf.dtype in ("float16", "bfloat16")
+        work = _to_f32(arr, buf.dtype) if half else arr
+        wdtype = "float32" if half else buf.dtype
+        wbuf = buf if work is arr else _array_buf(work, wdtype)
+        with self._step(what):
+            self.comm.all_reduce(wbuf, work, ReduceOp.SUM if op == ReduceOp.AVG else op, timeout)
+        flat = work.reshape(-1)
+        shares = layout.parts(flat.size, len(self.local))
+        start, length = shares[self.lane_index]
+        mine = flat[start:start + length]
+        if length:
+            got = {p: np.empty_like(mine) for p in self.lane if p != self.rank}
+            self._lane_all_gather(what, mine, got, timeout)
+            out = np.empty_like(mine)
+            reduce_into(out, [mine if p == self.rank else got[p] for p in self.lane], op, wdtype, self.n)
+            np.copyto(mine, out)
+        with self._step(what):
+            for j, (s, ln) in enumerate(shares):
+                if ln:
+                    self.comm.broadcast(_array_buf(flat[s:s + ln], wdtype), j, timeout)
+        if half:
+            _from_f32(work, arr, buf.dtype)
+
+    def _lane_all_gather(self, what: str, mine: np.ndarray, got: dict, timeout: float) -> None:
+        """This rank's share to every other member of its lane, theirs into ``got``."""
+        who = f"rank {self.rank}: {what}"
+        if self.inter and self.inter.gathers:
+            with self._step(what):
+                self.inter.all_gather(what, mine, got, timeout)
+            return
+        self._exchange(what, [(as_buf(mine, writable=False, who=who), p) for p in got],
+                       [(as_buf(a, writable=True, who=who), p) for p, a in got.items()], timeout)
 
     def _leaders_reduce(self, work: np.ndarray, op: ReduceOp, dtype: str, what: str,
                         timeout: float) -> None:
@@ -353,6 +401,6 @@ class HierComm:
 
 
 def _desc(row: np.ndarray) -> tuple:
-    """A table row (a packed layout.DESC) as the descriptor tuple collectives._describe reads."""
+    """A table row (a packed layout.DESC) as the descriptor tuple arena.disagree reads."""
     return layout.DESC.unpack(row.tobytes())
 

@@ -73,14 +73,20 @@ def _under_mpi() -> bool:
     return launchers.detect().source in ("openmpi", "mpich")
 
 
-def choose() -> str:
+def choose(backend: str = "shm") -> str:
+    """SHMDIST_INTER, or for auto: mpi under an MPI launcher with a usable
+    mpi4py, else gloo when torch is importable and the backend is "shm",
+    else tcp."""
     want = settings.get(ENV)
     if want not in CHOICES:
         raise DistError(f"{ENV}={want!r}: expected one of {', '.join(CHOICES)}")
     if want == "auto":
-        # Not gloo, even with torch: its leg as built here (send/recv per exchange) measured slower
-        # than ours on pretend hosts (bench/hosts_bench.py: ~4 ms more per exchange).
-        want = "mpi" if _under_mpi() and _importable("mpi4py") and not _mpi_unusable else "tcp"
+        if _under_mpi() and _importable("mpi4py") and not _mpi_unusable:
+            want = "mpi"
+        elif backend == "shm" and _importable("torch"):
+            want = "gloo"
+        else:
+            want = "tcp"
     return want
 
 
@@ -173,17 +179,41 @@ def leader_was_away(comm, e: DistError) -> DistError:
                    "ranks died")
 
 
+def shares_were_away(comm, e: DistError) -> DistError:
+    """A local step of a sharded all_reduce failed (a local rank gave up
+    on its share's exchange, or waited for one that did): name the hosts
+    the local ranks exchange shares with."""
+    if "is on host" in str(e) or " on host " in str(e):
+        return e
+    names = getattr(comm, "host_names", {})
+    others = [f"host {names.get(m[0], '?')} (ranks {m})" for m in comm.nodes if comm.rank not in m]
+    return type(e)(f"{e}; this host's ranks each exchange a share of the all_reduce with {', '.join(others)}; "
+                   "one of those is unreachable or its ranks died")
+
+
 def for_comm(comm):
-    """The engine for a HierComm's leaders (None: the point-to-point engine carries everything)."""
+    """The engine for a HierComm's lane (None: the point-to-point engine
+    carries everything). Made now, while every member of the group is
+    here (group creation is collective), among the members of this rank's
+    lane only: a collective never makes it lazily on some ranks alone."""
     global _chosen
     comm.host_names = host_names(comm)
-    kind = choose()
+    kind = choose(getattr(comm.world, "backend", "shm"))
     if _chosen != kind:
         log.info("inter-host engine: %s (%s=%s)", kind, ENV, settings.get(ENV))
     _chosen = kind
     if kind == "tcp":
         return None
-    return (GlooInter if kind == "gloo" else MpiInter)(comm)
+    engine = (GlooInter if kind == "gloo" else MpiInter)(comm)
+    if len(engine.leaders) > 1:
+        try:
+            engine._setup("making the group", comm.world.timeout)
+        except BaseException:
+            engine.broken = "its set-up failed"
+            engine.close()
+            raise
+        engine.ready = True
+    return engine
 
 
 def _bytes_at(addr: int, nbytes: int):
@@ -201,12 +231,16 @@ class _Pending:
 
 
 class _Inter:
+    """The messages between this rank and the other members of its lane
+    (local rank i of every node; lane 0 is the leaders). ``leaders`` is the
+    lane's members (the name from when only leaders had one)."""
     kind = ""
+    gathers = False   # has all_gather (the sharded all_reduce's leg in one collective)
 
     def __init__(self, comm):
         self.comm = comm
         self.rank = comm.rank
-        self.leaders = list(comm.leaders)
+        self.leaders = list(getattr(comm, "lane", comm.leaders))
         self.index = {r: i for i, r in enumerate(self.leaders)}
         self.sent: dict[int, int] = {}
         self.got: dict[int, int] = {}
@@ -216,7 +250,7 @@ class _Inter:
 
     def carries(self, peer: int) -> bool:
         c = self.comm
-        return c.is_leader and peer in self.index and c.node_of[peer] != c.node_of[self.rank]
+        return peer in self.index and c.node_of[peer] != c.node_of[self.rank]
 
     def start(self, what: str, sends: list, recvs: list, timeout: float):
         """Start the leader-to-leader messages of ``sends``/``recvs``; return the others, and the pending."""
@@ -248,7 +282,7 @@ class _Inter:
     def _agree(self, what: str, timeout: float) -> None:
         """Every leader publishes its choice and host name, and compares."""
         store = self.comm.world.store
-        key = f"inter/{self.comm.gid}"
+        key = f"inter/{self.comm.gid}/{getattr(self.comm, 'lane_index', 0)}"
         store.set(f"{key}/{self.rank}", json.dumps([self.kind, socket.gethostname()]).encode())
         for r in self.leaders:
             kind, name = json.loads(store.get(f"{key}/{r}", timeout))
@@ -262,6 +296,22 @@ class _Inter:
         members = next((m for m in self.comm.nodes if peer in m), [peer])
         name = self.names.get(peer) or self.comm.host_names.get(peer, "?")
         return f"host {name} (ranks {members})"
+
+    def _gather_failed(self, what: str, e: BaseException, timed_out: bool) -> DistError:
+        """all_gather among the lane failed: name every other host of the lane."""
+        others = [p for p in self.leaders if p != self.rank]
+        why = (f"all_gather with rank(s) {others} on {', '.join(self.host_of(p) for p in others)} over "
+               f"{self.kind}: {type(e).__name__}: {e}")
+        self.broken = why
+        cls = DistTimeoutError if timed_out else DistPeerError
+        return cls(f"rank {self.rank}: {what}: {why}; one of those hosts is unreachable or its ranks died")
+
+    def _start_gather(self, what: str):
+        if self.broken:
+            raise DistPeerError(f"rank {self.rank}: {what}: the {self.kind} engine between hosts failed "
+                                f"earlier ({self.broken})")
+        n = len(self.leaders)
+        carried["messages"] += 2 * (n - 1)
 
     def _failed(self, what: str, peer: int, role: str, e: BaseException, timed_out: bool) -> DistError:
         why = f"{role} with rank {peer} on {self.host_of(peer)} over {self.kind}: {type(e).__name__}: {e}"
@@ -286,7 +336,8 @@ class GlooInter(_Inter):
         opts = ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=timeout)
         opts._devices = [ProcessGroupGloo.create_device(hostname=listen_address(self.comm.world.store))]
-        store = _TorchStore(self.comm.world.store, f"inter/{self.comm.gid}/gloo/", timeout)
+        lane = getattr(self.comm, "lane_index", 0)
+        store = _TorchStore(self.comm.world.store, f"inter/{self.comm.gid}/{lane}/gloo/", timeout)
         try:
             self.pg = ProcessGroupGloo(store, self.index[self.rank], len(self.leaders), opts)
         except RuntimeError as e:
@@ -295,6 +346,23 @@ class GlooInter(_Inter):
 
     def _tensor(self, buf):
         return self.torch.frombuffer(_bytes_at(buf.addr, buf.nbytes), dtype=self.torch.uint8)
+
+    gathers = True
+
+    def all_gather(self, what: str, mine, got: dict, timeout: float) -> None:
+        """gloo's allgather among the lane: ``mine`` (an array) to every
+        member, theirs into ``got`` {rank: array}."""
+        self._start_gather(what)
+        torch = self.torch
+        carried["bytes"] += mine.nbytes * 2 * len(got)
+        src = torch.from_numpy(mine.view("uint8").reshape(-1))
+        outs = [src.clone() if p == self.rank else torch.from_numpy(got[p].view("uint8").reshape(-1))
+                for p in self.leaders]
+        try:
+            work = self.pg.allgather([outs], [src])
+            work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            raise self._gather_failed(what, e, "imeout" in str(e) or "timed out" in str(e)) from None
 
     def _send(self, buf, peer: int, tag: int):
         return self.pg.send([self._tensor(buf)], self.index[peer], tag)
@@ -343,6 +411,25 @@ class MpiInter(_Inter):
         group = world.Get_group().Incl(self.leaders)
         self.mpi = world.Create_group(group, tag=int(self.comm.gid % 32768))
         group.Free()
+
+    gathers = True
+
+    def all_gather(self, what: str, mine, got: dict, timeout: float) -> None:
+        """MPI_Iallgather among the lane, waited for here (our timeout)."""
+        import numpy as np
+        self._start_gather(what)
+        carried["bytes"] += mine.nbytes * 2 * len(got)
+        flat = mine.view("uint8").reshape(-1)
+        into = np.empty((len(self.leaders), flat.size), dtype=np.uint8)
+        req = self.mpi.Iallgather([flat, self.MPI.BYTE], [into, self.MPI.BYTE])
+        deadline = time.monotonic() + timeout
+        while not req.Test():
+            if time.monotonic() > deadline:
+                raise self._gather_failed(what, TimeoutError(f"not done within {timeout:g} s"), True)
+            time.sleep(0.00005)
+        for i, p in enumerate(self.leaders):
+            if p != self.rank:
+                got[p].view("uint8").reshape(-1)[:] = into[i]
 
     def _send(self, buf, peer: int, tag: int):
         return self.mpi.Isend([_bytes_at(buf.addr, buf.nbytes), self.MPI.BYTE], self.index[peer], tag)
