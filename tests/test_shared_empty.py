@@ -334,3 +334,25 @@ def test_across_hosts_it_is_ordinary_memory(run_ranks):
     for ordinary, same, calls, mismatch in run_ranks(across_hosts, 4, timeout=180):
         assert ordinary and same and mismatch
         assert calls == {"all_reduce": 0, "broadcast": 0}
+
+
+# ---------------------------------------------------------------- through torch.distributed
+
+def through_torch(rank, world_size, init_method):
+    import torch
+    import torch.distributed as tdist
+    import shmdist.torch  # noqa: F401 - registers the backend "shm"
+    tdist.init_process_group("shm", init_method=init_method, rank=rank, world_size=world_size)
+    calls = _count_in_place()
+    t = dist.empty((3, 1 << 16), torch.float32)
+    t.fill_(rank + 1)
+    tdist.all_reduce(t)
+    summed = bool((t == sum(range(1, world_size + 1))).all())
+    tdist.broadcast(t, 1)
+    tdist.destroy_process_group()
+    return summed, calls
+
+
+def test_torch_distributed_all_reduce_on_a_shared_tensor_runs_in_place(run_ranks):
+    pytest.importorskip("torch")
+    assert run_ranks(through_torch, 2, timeout=120) == [(True, {"all_reduce": 1, "broadcast": 1})] * 2
