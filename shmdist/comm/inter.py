@@ -303,6 +303,8 @@ class _Inter:
         why = (f"all_gather with rank(s) {others} on {', '.join(self.host_of(p) for p in others)} over "
                f"{self.kind}: {type(e).__name__}: {e}")
         self.broken = why
+        if self.kind == "mpi":
+            _mpi_lost(why)
         cls = DistTimeoutError if timed_out else DistPeerError
         return cls(f"rank {self.rank}: {what}: {why}; one of those hosts is unreachable or its ranks died")
 
@@ -316,6 +318,8 @@ class _Inter:
     def _failed(self, what: str, peer: int, role: str, e: BaseException, timed_out: bool) -> DistError:
         why = f"{role} with rank {peer} on {self.host_of(peer)} over {self.kind}: {type(e).__name__}: {e}"
         self.broken = why
+        if self.kind == "mpi":
+            _mpi_lost(why)
         cls = DistTimeoutError if timed_out else DistPeerError
         return cls(f"rank {self.rank}: {what}: {why}; that host is unreachable or its ranks died")
 
@@ -454,6 +458,31 @@ class MpiInter(_Inter):
                 comm.Free()
             except Exception:   # noqa: BLE001
                 pass
+
+
+_lost: list = []
+
+
+def _mpi_lost(why: str) -> None:
+    """The MPI engine gave up on a peer. MPI cannot drop a process from a
+    job: MPI_Finalize (mpi4py's, at exit) would wait for the lost one
+    forever, and so would the launcher. So at exit this process calls
+    MPI_Abort instead, which ends the whole job, as MPI's default error
+    handler would have at the failure itself; the DistError was raised
+    first, so the program could report it."""
+    if not _lost:
+        import atexit
+        atexit.register(_abort_at_exit)   # runs before mpi4py's MPI_Finalize (registered earlier)
+    _lost.append(why)
+
+
+def _abort_at_exit() -> None:
+    from mpi4py import MPI
+    log.error("inter-host engine mpi lost a host (%s): MPI_Abort, as MPI_Finalize would wait forever", _lost[0])
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
 
 
 class _TorchStore:
