@@ -79,8 +79,10 @@ def one_config(rank, world_size, init_method, config, iters, lat_iters):
     import shmdist as dist
     parts = config.split("/")          # shm/<engine>[/<SHMDIST_SHARD_BYTES>]
     os.environ["SHMDIST_INTER"] = parts[1]
-    if len(parts) > 2:
+    if len(parts) > 2 and parts[2]:
         os.environ["SHMDIST_SHARD_BYTES"] = parts[2]
+    if len(parts) > 3:                  # shm/<engine>/<shard bytes>/<SHMDIST_ARENA_BYTES>
+        os.environ["SHMDIST_ARENA_BYTES"] = parts[3]
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=120)
     for n in SIZES:
         a = np.ones(n // 4, dtype=np.float32)
@@ -117,7 +119,8 @@ def main() -> None:
     if why:
         sys.exit(why)
     configs = args.configs.split(",")
-    for var in ("SHMDIST_HOST_ID", "SHMDIST_TCP_ADDR", "SHMDIST_INTER", "SHMDIST_SHARD_BYTES"):
+    for var in ("SHMDIST_HOST_ID", "SHMDIST_TCP_ADDR", "SHMDIST_INTER", "SHMDIST_SHARD_BYTES",
+                "SHMDIST_ARENA_BYTES"):
         os.environ.pop(var, None)
     results: dict = {c: {} for c in configs}
     with hosts.PretendHosts(2) as h:
