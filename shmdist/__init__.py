@@ -14,7 +14,7 @@ from shmdist.request import DistributedRequest
 from shmdist.reduce_ops import ReduceOp
 from shmdist.api.collectives import (all_gather, all_gather_into_tensor, all_gather_object, all_reduce,
                                     all_to_all, all_to_all_single, barrier, broadcast,
-                                    broadcast_object_list, gather, gather_object, recv_object_list,
+                                    broadcast_object_list, empty, gather, gather_object, recv_object_list,
                                     reduce, reduce_scatter, reduce_scatter_tensor, scatter,
                                     scatter_object_list, send_object_list)
 
@@ -26,7 +26,7 @@ __all__ = [
     "get_backend", "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized",
     "isend", "memory_usage", "new_group", "recv", "send", "ReduceOp",
     "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
-    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
+    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "empty", "gather", "gather_object",
     "recv_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
     "scatter_object_list", "send_object_list",
 ]

@@ -32,15 +32,51 @@ def ctl_cause(size_t ctl):
     return raw.split(b"\0", 1)[0]
 
 
+# Who is woken, and why no wakeup is lost.
+#
+# A process has one doorbell (CTL_BELL) and two counts of its threads asleep
+# on it: CTL_SLEEPING for waits that ring traffic can end (the engine's
+# wait_bell: a message or room it waits for), CTL_PHASE_SLEEPING for waits on
+# a group's phase flags (wait_phase), which no ring index can end. A ring
+# event (_ring_traffic) bumps the bell, for a waiter that spins on it, and
+# makes the futex wake syscall only when CTL_SLEEPING says a thread sleeps in
+# a wait it can end; a phase or a goodbye (_ring_bell) wakes both kinds. So a
+# rank asleep in a barrier costs its peer's sends and receives no syscall
+# (it cost one per call: +40 % on an 8 B receive).
+#
+# The race: the waiter does  sleeping += 1; v = bell; if v == seen: futex_wait(bell, seen)
+# and the ringer            bell += 1;     if sleeping: futex_wake(bell).
+# Both read-modify-writes and both loads are sequentially consistent, so in
+# their one total order either the ringer's load of ``sleeping`` comes after
+# the waiter's increment (it sees it and wakes), or the waiter's load of the
+# bell comes after the ringer's increment (it sees v != seen and does not
+# sleep; and futex_wait itself re-checks bell == seen in the kernel). The
+# waiter's ``seen`` was read before it last looked at what it waits for, so a
+# change made after that look always moves the bell past ``seen``.
+#
+# Room in a ring is rung for only when the producer asked (RING_WANT, see
+# Ring._push): a consumer's take or pull makes no bell RMW and no syscall
+# otherwise.
+
+
 cdef inline void _ring_bell(size_t ctl) noexcept nogil:
+    """News for every thread of ctl's owner (a phase, a goodbye, a retire)."""
+    sd_add32(_u32(ctl + SD_CTL_BELL), 1)
+    if sd_load32(_u32(ctl + SD_CTL_SLEEPING)) or sd_load32(_u32(ctl + SD_CTL_PHASE_SLEEPING)):
+        sd_futex_wake(_u32(ctl + SD_CTL_BELL), 0x7fffffff)
+
+
+cdef inline void _ring_traffic(size_t ctl) noexcept nogil:
+    """A ring index moved: news only for the owner's waits on rings (the
+    engine's); a thread asleep on phase flags is left asleep."""
     sd_add32(_u32(ctl + SD_CTL_BELL), 1)
     if sd_load32(_u32(ctl + SD_CTL_SLEEPING)):
         sd_futex_wake(_u32(ctl + SD_CTL_BELL), 0x7fffffff)
 
 
 def ring_bell(size_t ctl):
-    """Tell the owner of ``ctl`` that something changed; the futex wake
-    syscall is made only when the owner sleeps."""
+    """Tell every thread of the owner of ``ctl`` that something changed; the
+    futex wake syscall is made only when one sleeps."""
     _ring_bell(ctl)
 
 
@@ -68,10 +104,12 @@ cdef int _wait_bell(uint32_t *bell, uint32_t *sleeping, uint32_t seen,
 
 
 def wait_bell(size_t ctl, uint32_t seen, long spin, long yields, double timeout):
-    """Wait until the doorbell of ``ctl`` differs from ``seen``.
+    """Wait until the doorbell of ``ctl`` differs from ``seen`` (read it
+    before looking at what you wait for: see the race above).
 
     Spins ``spin`` times (cpu pause), then yields the CPU ``yields`` times,
-    then sleeps on the futex for at most ``timeout`` seconds. Returns
+    then sleeps on the futex for at most ``timeout`` seconds, counted in
+    CTL_SLEEPING (ring traffic wakes it). Returns
     DONE_SPINNING when the bell moved while spinning, DONE when it moved
     later, NOT_YET on timeout or signal (the caller loops and so lets Python
     run signal handlers).

@@ -22,13 +22,10 @@ cdef extern from "_atomics.h" nogil:
 cdef extern from "_sum.h" nogil:     # float32/float64 SUM and PRODUCT, all inputs in one pass
     int sd_reduce_float(int f64, int op, void *out, const void *const *ins, int n, size_t count)
 
-cdef extern from "_trace.h":           # the flight recorder's C writer (the rest is trace.py)
-    enum: SD_TR_POSTED, SD_TR_WAITING, SD_TR_DONE, SD_TR_FAILED   # entry states
-    enum: SD_TR_SEND, SD_TR_RECV, SD_TR_COLL                      # entry ops (SD_TR_COLL + kind)
+cdef extern from "_trace.h":           # the flight recorder's C writer (layout: SD_TR_*, layout.py)
     uint64_t sd_tr_post(uint32_t op, uint32_t state, int64_t gid, int64_t peer, int64_t tag,
                         uint64_t nbytes, uint64_t coll, const char *dtype16)
-    void sd_tr_set(uint64_t seq, uint32_t state)
-    void sd_tr_done_at_once(uint64_t seq)
+    void sd_tr_set(uint64_t seq, uint32_t state, int at_once)
     void sd_tr_attach(uint8_t *base, uint64_t capacity)
 
 cdef extern from "_half.h" nogil:
@@ -46,6 +43,7 @@ cdef class Ring:
     """_ring.pxi"""
     cdef uint64_t *head
     cdef uint64_t *tail
+    cdef uint32_t *want         # 1 while the producer waits for room
     cdef uint8_t *data
     cdef uint64_t size
     cdef uint64_t mask
@@ -58,6 +56,7 @@ cdef class Ring:
                         uint64_t pos, uint64_t total) noexcept nogil
     cdef uint64_t _pull(self, uint8_t *dst, uint64_t nbytes, uint64_t pos,
                         uint64_t total) noexcept nogil
+    cdef void _room(self) noexcept nogil
     cdef int _take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, const char *dtype16)
 
 
@@ -82,6 +81,17 @@ cdef class DistributedRequest:
 
 
 @cython.final
+cdef class Queues:
+    """_lane.pxi: the engine's point-to-point queues, which its fast lane reads.
+    Made once with the engine and never rebound (readonly): both hold this one
+    object, so neither can be left with a list the other replaced."""
+    cdef readonly dict sendq       # destination -> deque of the sends not yet written whole
+    cdef readonly list posted      # receives posted and not yet matched, in posting order
+    cdef readonly dict rx          # source -> the record streaming in from it, or None
+    cdef readonly list unexpected  # records that arrived before a receive asked for them
+
+
+@cython.final
 cdef class _Pend:
     """_lane.pxi: a pending fast receive: where its message goes and what it must be."""
     cdef DistributedRequest req
@@ -102,8 +112,7 @@ cdef class Lane:
     cdef list send_ops, recv_ops   # the op names of requests, per global rank
     cdef public dict dtypes        # numpy dtype -> its 16-byte header field, filled by the general path
     cdef object acquire, release   # the engine's lock
-    cdef dict sendq, rx            # the engine's queues, bound at creation
-    cdef list posted, unexpected
+    cdef Queues q                  # the engine's queues (the same object, for good)
     cdef object engine
     cdef object peers              # (src,) tuples, per rank
     cdef list pend                 # the pending fast receives (_Pend), in posting order

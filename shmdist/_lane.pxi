@@ -14,6 +14,20 @@ cdef enum:
     MAX_PENDING = 1024     # pending fast receives at most; more go the general way
 
 
+cdef class Queues:
+    """The engine's point-to-point queues (declared in _core.pxd): the sends
+    per destination, the posted receives, the record streaming in per
+    source, the unexpected records. Engine.close and fail_group empty them
+    in place; nothing replaces them, so the fast lane, which decides from
+    them whether a receive may skip the engine, always sees the engine's."""
+
+    def __cinit__(self, sources):
+        self.sendq = {}
+        self.posted = []
+        self.rx = dict.fromkeys(sources)
+        self.unexpected = []
+
+
 cdef class _Pend:
     """A pending fast receive: where its message goes and what it must be."""
 
@@ -22,7 +36,7 @@ cdef class Lane:
     """The whole of a small send or receive between two local ranks in one
     call, for the common case: a C-contiguous numpy array, the default
     group, an int tag, nothing else pending that it would have to queue
-    behind. Anything else returns None and goes the general way (engine.py),
+    behind. Anything else returns None and goes the general way (transport/engine.py),
     which also raises the errors. The engine's lock is held while a ring
     is touched, as the engine itself does.
 
@@ -44,10 +58,7 @@ cdef class Lane:
         self.dtypes = {}
         self.acquire = engine.lock.acquire
         self.release = engine.lock.release
-        self.sendq = engine.sendq
-        self.rx = engine.rx
-        self.posted = engine.posted
-        self.unexpected = engine.unexpected
+        self.q = <Queues?>engine.queues
         self.pend = []
 
     @property
@@ -146,7 +157,7 @@ cdef class Lane:
             self._header(hdr, &view, t, dtype16)
             self.acquire()
             try:
-                if self.sendq:
+                if self.q.sendq:
                     return None
                 h = sd_load64(ring.head)
                 free = ring.size - (h - ring.cached_tail)
@@ -210,7 +221,7 @@ cdef class Lane:
         req.tensors = [arr]
         self.acquire()
         try:
-            if self.posted or self.unexpected or self.rx[isrc] is not None:
+            if self.q.posted or self.q.unexpected or self.q.rx[isrc] is not None:
                 return None
             ahead = False
             for p in self.pend:
@@ -330,7 +341,7 @@ cdef class Lane:
                     break
         finally:
             self.release()
-        if not self.sendq:
+        if not self.q.sendq:
             total = _record(first.nbytes)
             t = sd_load64(first.ring.tail)
             with nogil:

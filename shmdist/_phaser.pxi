@@ -58,8 +58,9 @@ cdef class Phaser:
         target = self.phase
         sd_store64(<uint64_t *>mine, target)
         sd_fence()
-        for i in range(self.nothers):
-            if sd_load32(_u32(<size_t>self.others[i] + SD_CTL_SLEEPING)):
+        for i in range(self.nothers):    # a waiter spins on the flags; wake the sleepers (_bells.pxi)
+            if (sd_load32(_u32(<size_t>self.others[i] + SD_CTL_PHASE_SLEEPING))
+                    or sd_load32(_u32(<size_t>self.others[i] + SD_CTL_SLEEPING))):
                 sd_add32(_u32(<size_t>self.others[i] + SD_CTL_BELL), 1)
                 sd_futex_wake(_u32(<size_t>self.others[i] + SD_CTL_BELL), 0x7fffffff)
         with nogil:
@@ -81,10 +82,7 @@ cdef class Phaser:
                 if memcmp(f + at, f + i * self.stride + at, nd):
                     return SD_DIFFER
         if nd and self.trace_gid >= 0:     # trace: passed, or waiting for the others
-            if done == SD_DONE_SPINNING:
-                sd_tr_done_at_once(self.tseq)
-            else:
-                sd_tr_set(self.tseq, SD_TR_DONE if done else SD_TR_WAITING)
+            sd_tr_set(self.tseq, SD_TR_DONE if done else SD_TR_WAITING, done == SD_DONE_SPINNING)
         return done
 
     def enter(self, bytes desc=None):

@@ -45,7 +45,7 @@ cdef class DistributedRequest:
         self._error = error
         self._done = True
         if self._tseq:
-            sd_tr_set(self._tseq, SD_TR_DONE if error is None else SD_TR_FAILED)
+            sd_tr_set(self._tseq, SD_TR_DONE if error is None else SD_TR_FAILED, 0)
 
     def __repr__(self):
         state = "failed" if self._error is not None else ("completed" if self._done else "pending")

@@ -9,8 +9,19 @@ cdef class Ring:
     A message is a record: a HEADER_BYTES header, the payload, and padding
     to 64 bytes. The producer publishes ``head`` (bytes written, ever) and
     the consumer ``tail`` (bytes consumed, ever), each on its own cache
-    line. Each side rings the other's doorbell after it moved its index.
-    One process uses a Ring either as producer or as consumer, never both.
+    line. The producer rings the consumer's doorbell after each move of
+    ``head``; the consumer rings the producer's after it moved ``tail`` only
+    while the producer waits for room (``want``, on a third line: 1 from the
+    push that found the ring full until a push completes a record). One
+    process uses a Ring either as producer or as consumer, never both.
+
+    Why a room wakeup is never lost (Dekker's pattern, both sides fenced):
+    the producer stores want = 1, fences, then reads tail once more; the
+    consumer stores tail, fences, then reads want. With the two sequentially
+    consistent fences, either the producer's second read sees the new tail
+    (it goes on pushing) or the consumer's read sees want = 1 (it rings).
+    The producer read its doorbell (``seen``) before this push, so that ring
+    moves the bell past ``seen`` and its wait_bell does not sleep, or wakes.
     """
 
     def __cinit__(self, size_t ctl_addr, size_t data_addr, uint64_t size, size_t other_ctl):
@@ -18,6 +29,7 @@ cdef class Ring:
             raise ValueError(f"ring size must be a power of two >= {SD_RING_MIN_BYTES}, got {size}")
         self.head = <uint64_t *>(ctl_addr + SD_RING_HEAD)
         self.tail = <uint64_t *>(ctl_addr + SD_RING_TAIL)
+        self.want = _u32(ctl_addr + SD_RING_WANT)
         self.data = <uint8_t *>data_addr
         self.size = size
         self.mask = size - 1
@@ -58,8 +70,13 @@ cdef class Ring:
             if free < SLICE and free < total - pos:
                 self.cached_tail = sd_load64(self.tail)
                 free = self.size - (h - self.cached_tail)
-                if free == 0:
-                    break
+                if free == 0:       # full: ask for a ring when room comes, then look once more
+                    sd_store32(self.want, 1)
+                    sd_fence()
+                    self.cached_tail = sd_load64(self.tail)
+                    free = self.size - (h - self.cached_tail)
+                    if free == 0:
+                        break
             end = pos + min(free, SLICE, total - pos)
             if pos < SD_HEADER_BYTES:
                 upto = min(end, <uint64_t>SD_HEADER_BYTES)
@@ -74,8 +91,16 @@ cdef class Ring:
             h += end - pos          # padding: nothing to copy
             pos = end
             sd_store64(self.head, h)   # publish each slice: the consumer copies it meanwhile
-            _ring_bell(self.other_ctl)
+            _ring_traffic(self.other_ctl)
+        if pos == total and sd_load32(self.want):
+            sd_store32(self.want, 0)   # a record went whole: no more rings for room until full again
         return pos
+
+    cdef inline void _room(self) noexcept nogil:
+        """After the consumer moved tail: ring the producer only if it waits for room."""
+        sd_fence()
+        if sd_load32(self.want):
+            _ring_traffic(self.other_ctl)
 
     cdef uint64_t _pull(self, uint8_t *dst, uint64_t nbytes, uint64_t pos,
                         uint64_t total) noexcept nogil:
@@ -102,7 +127,7 @@ cdef class Ring:
             t += end - pos
             pos = end
             sd_store64(self.tail, t)   # hand each slice back to the producer at once
-            _ring_bell(self.other_ctl)
+            self._room()
         return pos
 
     def push(self, bytes header, size_t addr, size_t nbytes, size_t pos):
@@ -153,7 +178,7 @@ cdef class Ring:
             with nogil:
                 self._get(t + SD_HEADER_BYTES, <uint8_t *>addr, nbytes, nbytes >= stream_min)
         sd_store64(self.tail, t + total)
-        _ring_bell(self.other_ctl)
+        self._room()
         return SD_DONE
 
     def peek(self):

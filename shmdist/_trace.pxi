@@ -1,5 +1,6 @@
 # The flight recorder's ring, written from Python (trace.py) through these; the
 # fast lane and the Phaser write it directly (sd_tr_post / sd_tr_set, _trace.h).
+# Its layout is layout.py's (SD_TR_* in _layout.h).
 
 def trace_attach(size_t base, uint64_t capacity):
     """Record into the ring at ``base`` (``capacity`` entries); 0 detaches."""
@@ -14,4 +15,4 @@ def trace_post(uint32_t op, uint32_t state, int64_t gid, int64_t peer, int64_t t
 
 def trace_set(uint64_t seq, uint32_t state):
     """Set the state of entry ``seq`` (nothing when it was overwritten since)."""
-    sd_tr_set(seq, state)
+    sd_tr_set(seq, state, 0)

@@ -5,10 +5,12 @@ def wait_phase(size_t flags, size_t stride, int n, uint64_t target, size_t ctl,
                long spin, long yields, double timeout):
     """Wait until each of the ``n`` phase flags (``stride`` bytes apart from
     ``flags``) is at least ``target``. Spins, yields, then sleeps on this
-    process's doorbell for at most ``timeout`` seconds. True when reached."""
+    process's doorbell for at most ``timeout`` seconds, counted in
+    CTL_PHASE_SLEEPING: ring traffic never wakes it (_bells.pxi). True when
+    reached."""
     cdef const uint8_t *f = <const uint8_t *>flags
     cdef uint32_t *bell = _u32(ctl + SD_CTL_BELL)
-    cdef uint32_t *sleeping = _u32(ctl + SD_CTL_SLEEPING)
+    cdef uint32_t *sleeping = _u32(ctl + SD_CTL_PHASE_SLEEPING)
     cdef long i
     cdef long ns = <long>(timeout * 1e9)
     cdef uint32_t seen

@@ -52,9 +52,10 @@ KINDS = ("latency", "bandwidth", "blocking", "bidir", "all_reduce", "all_reduce_
 REDUCE_DTYPES = {"all_reduce": "float32", "all_reduce_bf16": "bfloat16", "all_reduce_fp16": "float16"}
 P2P = ("latency", "bandwidth", "blocking", "bidir")
 COLLECTIVES = ("all_reduce", "broadcast", "barrier")
-BACKENDS = ("shmdist", "shmdist-tcp", "gloo", "mpi", "deepspeed", "memcpy")
-PEERS_ORDER = ("shmdist", "shmdist tcp", "gloo", "MPICH", "Open MPI", "DeepSpeed", "memcpy")
-OURS = ("shmdist", "shmdist tcp", "memcpy")   # not peers: the ratio compares shmdist with the others
+BACKENDS = ("shmdist", "shmdist-empty", "shmdist-tcp", "gloo", "mpi", "deepspeed", "memcpy")
+PEERS_ORDER = ("shmdist", "shmdist empty", "shmdist tcp", "gloo", "MPICH", "Open MPI", "DeepSpeed", "memcpy")
+OURS = ("shmdist", "shmdist empty", "shmdist tcp", "memcpy")   # not peers: the ratio compares shmdist with the others
+EMPTY = "shmdist empty"   # shmdist on arrays from shmdist.empty (all_reduce and broadcast in place): its own ratio column
 IDLE_SECONDS = 1.0
 BANDWIDTH_WINDOW = 32 * MiB      # bytes in flight per bandwidth iteration (at most 64 messages)
 LINE = "@shmdist-bench "         # prefix of the lines rank 0 reports on stdout
@@ -135,6 +136,28 @@ class ShmdistComm:
 
     def close(self):
         self.d.destroy_process_group()
+
+
+class EmptyComm(ShmdistComm):
+    """shmdist on arrays made by shmdist.empty: every buffer above the
+    in-place threshold is a copy in shared memory (the ranks wrap the same
+    sizes in the same order, so each wrap is the collective call it must be)."""
+
+    def wrap(self, arr):
+        from shmdist.comm.shared import IN_PLACE_MIN
+        if arr.nbytes <= IN_PLACE_MIN:
+            return arr
+        out = self.d.empty(arr.shape, arr.dtype)
+        out[...] = arr
+        return out
+
+    def wrap_tensor(self, t):
+        from shmdist.comm.shared import IN_PLACE_MIN
+        if t.nbytes <= IN_PLACE_MIN:
+            return t
+        out = self.d.empty(tuple(t.shape), t.dtype)
+        out.copy_(t)
+        return out
 
 
 class GlooComm(ShmdistComm):
@@ -363,7 +386,8 @@ def reduce_buffer(comm, p: Point, value=1):
     if dtype == "float32":
         return filled(comm, p.nbytes, np.float32, value)
     import torch
-    return torch.full((p.nbytes // 2,), value, dtype=getattr(torch, dtype))
+    t = torch.full((p.nbytes // 2,), value, dtype=getattr(torch, dtype))
+    return comm.wrap_tensor(t) if hasattr(comm, "wrap_tensor") else t
 
 
 def expect(comm, p: Point, buf, value) -> None:
@@ -413,6 +437,8 @@ def worker(args) -> int:
     settings = json.loads(args.settings)
     if args.worker == "shmdist":
         comm = ShmdistComm(args.rank, args.world, args.port, args.timeout)
+    elif args.worker == "shmdist-empty":
+        comm = EmptyComm(args.rank, args.world, args.port, args.timeout)
     elif args.worker == "shmdist-tcp":
         comm = ShmdistComm(args.rank, args.world, args.port, args.timeout, backend="tcp")
     elif args.worker == "gloo":
@@ -508,6 +534,8 @@ def detect(args) -> tuple[list[Backend], list[str]]:
     backends, notes = [], []
     if "shmdist" in wanted:
         backends.append(Backend("shmdist", "shmdist", sys.executable))
+    if "shmdist-empty" in wanted:    # arrays from shmdist.empty: all_reduce and broadcast in place
+        backends.append(Backend(EMPTY, "shmdist-empty", sys.executable))
     if "shmdist-tcp" in wanted:      # the TCP transport, to show the gap to shared memory
         backends.append(Backend("shmdist tcp", "shmdist-tcp", sys.executable))
     if "gloo" in wanted:
@@ -550,7 +578,9 @@ def measures(b: Backend, kind: str) -> bool:
         return kind in REDUCE_DTYPES
     if b.key in ("mpi", "shmdist-tcp") and half:
         return False
-    if b.key == "shmdist":
+    if b.key == "shmdist-empty" and kind not in REDUCE_DTYPES and kind != "broadcast":
+        return False
+    if b.key in ("shmdist", "shmdist-empty"):
         return not (half and not has_torch())
     return True
 
@@ -735,9 +765,9 @@ def lookup(results, label: str, p: Point):
     return results.get((label, p))
 
 
-def round_ratio(results, labels, p: Point):
-    """(shmdist's cost ÷ the best peer's, that peer) in one round's results, or None."""
-    mine = cost(results.get(("shmdist", p)))
+def round_ratio(results, labels, p: Point, ours: str = "shmdist"):
+    """(shmdist's (or ``ours``') cost ÷ the best peer's, that peer) in one round's results, or None."""
+    mine = cost(results.get((ours, p)))
     peers = [(c, lab) for lab in labels if lab not in OURS
              for c in [cost(results.get((lab, p)))] if c is not None]
     if mine is None or not peers:
@@ -746,9 +776,9 @@ def round_ratio(results, labels, p: Point):
     return (mine / best, who) if best > 0 else None
 
 
-def ratios(rounds: list, labels, p: Point) -> list:
-    """The ratio of every round in which shmdist and a peer both measured ``p``."""
-    return [r for res in rounds for r in [round_ratio(res, labels, p)] if r is not None]
+def ratios(rounds: list, labels, p: Point, ours: str = "shmdist") -> list:
+    """The ratio of every round in which shmdist (or ``ours``) and a peer both measured ``p``."""
+    return [r for res in rounds for r in [round_ratio(res, labels, p, ours)] if r is not None]
 
 
 def ratio_text(found: list) -> str:
@@ -783,12 +813,15 @@ def table(rows, labels, rounds: list) -> str:
     results = combine(rounds)
     head = ["figure", *labels, "shmdist ÷ best peer" + (f" (median, range over {len(rounds)} rounds)"
                                                          if len(rounds) > 1 else "")]
+    empty = EMPTY in labels
+    head += [f"{EMPTY} ÷ best peer"] if empty else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in rows:
         cells = [value_text(lookup(results, lab, p)) for lab in labels]
         if p.kind == "idle" or p.kind == "barrier":
             cells = [c if lab != "memcpy" else "—" for c, lab in zip(cells, labels)]
-        lines.append("| " + " | ".join([row_label(p), *cells, ratio_text(ratios(rounds, labels, p))]) + " |")
+        extra = [ratio_text(ratios(rounds, labels, p, EMPTY))] if empty else []
+        lines.append("| " + " | ".join([row_label(p), *cells, ratio_text(ratios(rounds, labels, p)), *extra]) + " |")
     return "\n".join(lines)
 
 
@@ -930,8 +963,10 @@ def main(argv=None) -> int:
                         "versions": versions, "notes": notes},
                "results": [{"backend": lab, **p._asdict(), **rec} for (lab, p), rec in results.items()],
                "ratios": [{**p._asdict(), "label": row_label(p), "rounds": [v for v, _ in found],
-                           "peers": [w for _, w in found]}
-                          for p in rows for found in [ratios(rounds, labels, p)] if found]}
+                           "peers": [w for _, w in found],
+                           **({"empty_rounds": [v for v, _ in e]} if e else {})}
+                          for p in rows for found, e in [(ratios(rounds, labels, p), ratios(rounds, labels, p, EMPTY))]
+                          if found]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     if args.plot:

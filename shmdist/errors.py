@@ -5,8 +5,22 @@ do about it.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 
 _on_error = None   # set by trace.py (the flight recorder): called with every DistError made
+_expected = threading.local()     # .depth > 0: errors made now are caught and retried by the caller
+
+
+@contextlib.contextmanager
+def expected():
+    """The DistErrors made inside are the caller's to catch (a wait in
+    slices): the flight recorder neither reports nor writes them."""
+    _expected.depth = getattr(_expected, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _expected.depth -= 1
 
 
 class DistError(RuntimeError):
@@ -14,7 +28,7 @@ class DistError(RuntimeError):
 
     def __init__(self, *args):
         super().__init__(*args)
-        if _on_error is not None:
+        if _on_error is not None and not getattr(_expected, "depth", 0):
             _on_error(self)
 
 

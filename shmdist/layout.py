@@ -50,7 +50,8 @@ CTL_BYTES = 256
 CTL_PID = 0                   # uint32: pid of the owner
 CTL_CLOSED = 4                # uint32: 1 once the owner left the group cleanly
 CTL_BELL = 64                 # uint32: doorbell sequence
-CTL_SLEEPING = 128            # uint32: owner threads asleep on the doorbell
+CTL_SLEEPING = 128            # uint32: owner threads asleep on the doorbell in a wait ring traffic can end
+CTL_PHASE_SLEEPING = 132      # uint32: owner threads asleep on it for phase flags only (rings never wake them)
 CTL_CAUSE = 136               # bytes: why the owner left, NUL-padded (written before CTL_CLOSED)
 CAUSE_BYTES = CTL_BYTES - CTL_CAUSE
 
@@ -58,6 +59,7 @@ CAUSE_BYTES = CTL_BYTES - CTL_CAUSE
 RING_CTL_BYTES = 4096         # head and tail of a ring, each on its own cache line
 RING_HEAD = 0                 # uint64: bytes the producer wrote, ever
 RING_TAIL = 128               # uint64: bytes the consumer consumed, ever
+RING_WANT = 256               # uint32: 1 while the producer waits for room (the consumer rings only then)
 RING_MIN_BYTES = 4096         # a ring's data is a power of two at least this big
 
 # ---------------------------------------------------------------- segment parameters
@@ -88,7 +90,7 @@ DESC_DTYPE = 40
 DESC_EXTRA = DESC_DTYPE + DTYPE_BYTES
 # refused: a call whose own arguments were bad (its op field: the kind it refused)
 KINDS = ("barrier", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
-         "reduce_scatter", "all_to_all", "refused")
+         "reduce_scatter", "all_to_all", "refused", "empty")
 
 
 def pack_desc(kind: str, nbytes: int, op: int, root: int, dtype: bytes, extra: int) -> bytes:
@@ -123,6 +125,51 @@ def kind_of(name: str) -> int:
     return [k for k, _ in KERNEL_KINDS].index(name)
 
 
+# ---------------------------------------------------------------- flight recorder
+# Each rank's ring of its recent operations (trace.py makes and reads it; the
+# hot paths write entries in C, _trace.h). A header page, then TRACE_CAPACITY
+# entries of TRACE_ENTRY bytes; the entry of sequence number s (from 1) is at
+# TRACE_HEAD + ((s - 1) & (capacity - 1)) * TRACE_ENTRY. Little-endian.
+
+TRACE_MAGIC = int.from_bytes(b"SHMDTRC1", "little")
+TRACE_VERSION = 1
+TRACE_HEAD = 4096             # the header page
+TRACE_ENTRY = 128
+# magic, version, entry bytes, capacity (a power of two), entries written, changes (posts and
+# state changes), rank, world size, pid, state (TRACE_LIVE/LEFT), metadata bytes,
+# CLOCK_MONOTONIC_COARSE ns and time.time_ns() when made (to turn entry times into wall times)
+TRACE_HDR = struct.Struct("<QIIQQQqqqIIQQ")
+TRACE_H_WRITTEN = 24          # uint64, stored last when an entry is added
+TRACE_H_CHANGES = 32          # uint64
+TRACE_H_RANK = 40             # int64 rank, int64 world size
+TRACE_H_STATE = 64            # uint32
+TRACE_H_META_LEN = 68         # uint32: bytes of JSON metadata at TRACE_META_AT (0 while rewritten)
+TRACE_META_AT = 512
+TRACE_META_MAX = TRACE_HEAD - TRACE_META_AT
+TRACE_LIVE, TRACE_LEFT = 1, 2
+# seq (0 while being written), state, op, group id, peer (dst, src or root; TRACE_ANY, -1 none),
+# tag (p2p) or ReduceOp code (collectives), bytes, collective number in its group (0 for p2p),
+# posted ns, ended ns, thread, dtype name (NUL-padded), ns when it began to block
+TRACE_ENT = struct.Struct(f"<QIIqqqQQQQQ{DTYPE_BYTES}sQ")
+TRACE_E_SEQ = 0
+TRACE_E_STATE = 8
+TRACE_E_OP = 12
+TRACE_E_GID = 16
+TRACE_E_PEER = 24
+TRACE_E_TAG = 32
+TRACE_E_NBYTES = 40
+TRACE_E_COLL = 48
+TRACE_E_POSTED = 56
+TRACE_E_ENDED = 64
+TRACE_E_THREAD = 72
+TRACE_E_DTYPE = 80
+TRACE_E_WAIT = TRACE_E_DTYPE + DTYPE_BYTES
+TRACE_STATES = ("posted", "waiting", "done", "failed")     # entry states, codes 1, 2, 3, 4
+TRACE_POSTED, TRACE_WAITING, TRACE_DONE, TRACE_FAILED = range(1, len(TRACE_STATES) + 1)
+TRACE_SEND, TRACE_RECV = 1, 2          # entry ops; a collective's is TRACE_COLL + its KINDS index
+TRACE_COLL = 16
+TRACE_ANY = -2                # the peer of a receive from any rank
+
 # ---------------------------------------------------------------- what the core returns
 # The outcomes of the core's waits, takes and phases: one name, and one value,
 # per meaning, shared by C and Python.
@@ -148,9 +195,11 @@ def c_constants() -> dict[str, int]:
         "SD_HDR_NBYTES": HDR_NBYTES, "SD_HDR_DTYPE": HDR_DTYPE, "SD_HDR_DIMS": HDR_DIMS,
         "SD_RECORD_ALIGN": RECORD_ALIGN,
         "SD_CTL_BYTES": CTL_BYTES, "SD_CTL_PID": CTL_PID, "SD_CTL_CLOSED": CTL_CLOSED,
-        "SD_CTL_BELL": CTL_BELL, "SD_CTL_SLEEPING": CTL_SLEEPING, "SD_CTL_CAUSE": CTL_CAUSE,
+        "SD_CTL_BELL": CTL_BELL, "SD_CTL_SLEEPING": CTL_SLEEPING, "SD_CTL_PHASE_SLEEPING": CTL_PHASE_SLEEPING,
+        "SD_CTL_CAUSE": CTL_CAUSE,
         "SD_CAUSE_BYTES": CAUSE_BYTES,
         "SD_RING_CTL_BYTES": RING_CTL_BYTES, "SD_RING_HEAD": RING_HEAD, "SD_RING_TAIL": RING_TAIL,
+        "SD_RING_WANT": RING_WANT,
         "SD_RING_MIN_BYTES": RING_MIN_BYTES,
         "SD_SLOT_STRIDE": SLOT_STRIDE, "SD_SLOT_PHASE": SLOT_PHASE, "SD_SLOT_DESC": SLOT_DESC,
         "SD_DESC_BYTES": DESC_BYTES, "SD_DESC_WORDS": DESC_WORDS, "SD_DESC_KIND": DESC_KIND,
@@ -161,6 +210,10 @@ def c_constants() -> dict[str, int]:
     c.update({f"SD_OP_{name}": i for i, name in enumerate(OPS)})
     c.update({f"SD_KIND_{name.upper()}": i for i, (name, _) in enumerate(KERNEL_KINDS)})
     c["SD_NKINDS"] = len(KERNEL_KINDS)
+    c.update({f"SD_TR_{name[6:]}": globals()[name] for name in (
+        "TRACE_HEAD", "TRACE_ENTRY", "TRACE_H_WRITTEN", "TRACE_H_CHANGES",
+        "TRACE_POSTED", "TRACE_WAITING", "TRACE_DONE", "TRACE_FAILED", "TRACE_SEND", "TRACE_RECV", "TRACE_COLL")})
+    c.update({f"SD_TR_{name[6:]}": globals()[name] for name in globals() if name.startswith("TRACE_E_")})
     c.update({f"SD_{name}": globals()[name] for name in CODES})
     return c
 

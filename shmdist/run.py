@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 
-from shmdist import trace
+from shmdist import settings, trace
 from shmdist.rendezvous.store import JOB_ENV
 
 GRACE_SECONDS = 5.0   # between SIGTERM (or a forwarded signal) and SIGKILL
@@ -119,7 +119,7 @@ class Job:
 
     def __init__(self, a: argparse.Namespace):
         self.a = a
-        inherited = os.environ.get(JOB_ENV)   # a launcher inside a test or another job: nest its id
+        inherited = settings.get(JOB_ENV)   # a launcher inside a test or another job: nest its id
         self.job_id = f"{inherited}-{secrets.token_hex(6)}" if inherited else secrets.token_hex(6)
         if a.nnodes > 1:
             # Every host's launcher must give the same id (the store refuses ranks of another

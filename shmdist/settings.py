@@ -1,10 +1,13 @@
-"""Every SHMDIST_* environment variable shmdist reads: its name, default and
-meaning, in one table, and the one function that reads them.
+"""Every environment variable shmdist reads, and the only module that reads
+the environment: each SHMDIST_* setting with its name, default and meaning
+in one table (``get``), and the launchers' variables (torchrun, Open MPI,
+MPICH/Hydra, Slurm) declared by name in another (``launcher``).
 
 A setting is read from the environment when the step that uses it runs
 (``init_process_group``, ``new_group``, a call with no timeout), never at
 import, so a test or a launcher may set it any time before that step. The
 launcher's own variables (shmdist-run) and the benchmark's live with them.
+Code that starts processes may still copy ``os.environ`` for the children.
 """
 from __future__ import annotations
 
@@ -100,6 +103,37 @@ def get(name: str, default=_UNSET):
     if not raw:
         return s.default if default is _UNSET else default
     return s.parse(raw)
+
+
+# The launchers' variables (not shmdist's to define or parse: read as text, by
+# rendezvous/launchers.py, which picks the first launcher found, and by the
+# store's job identity). Reading one not declared here is an error.
+LAUNCHER_VARIABLES = frozenset((
+    # torchrun (and shmdist-run, which sets the same)
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    # Open MPI
+    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE",
+    # MPICH/Hydra, Intel MPI, srun --mpi=pmi2
+    "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+    # Slurm
+    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_ID",
+))
+
+
+def launcher(name: str) -> str | None:
+    """The text of launcher variable ``name`` (one of LAUNCHER_VARIABLES), or None when unset."""
+    if name not in LAUNCHER_VARIABLES:
+        raise KeyError(f"{name} is not a launcher variable shmdist reads; declare it in "
+                       "settings.LAUNCHER_VARIABLES")
+    return os.environ.get(name)
+
+
+def launcher_env() -> dict[str, str]:
+    """Every launcher variable that is set, by name (what launchers.detect reads)."""
+    return {name: os.environ[name] for name in LAUNCHER_VARIABLES if name in os.environ}
 
 
 def describe() -> str:

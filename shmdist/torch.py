@@ -634,7 +634,7 @@ def _subgroup(opts) -> ShmProcessGroup:
             "the shm backend; call torch.distributed.init_process_group(backend='shm') to make "
             "shm subgroups (gloo subgroups of an shm default group work)")
     w = groups.world("new_group")
-    gid = w.subgroup_gid(rendezvous.PrefixStore("shmdist/", opts.store), opts.group_rank == 0)
+    gid = w.allocate_gid(rendezvous.PrefixStore("shmdist/", opts.store), opts.group_rank == 0)
     g = groups.open_group(w, gid, ranks, opts.timeout.total_seconds())
     return ShmProcessGroup(g, is_default=False)
 

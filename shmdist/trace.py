@@ -32,27 +32,19 @@ import sys
 import threading
 import time
 
-from shmdist import _core, errors, settings
+from shmdist import _core, errors, layout, settings
+# The ring's layout, its states and ops: layout.py's "flight recorder" section (the C writer's too).
+from shmdist.layout import (TRACE_HEAD as HEAD, TRACE_ENTRY as ENTRY, TRACE_MAGIC as MAGIC,
+                            TRACE_VERSION as VERSION, TRACE_META_AT as META_AT, TRACE_META_MAX as META_MAX,
+                            TRACE_HDR as _HDR, TRACE_ENT as _ENT, TRACE_POSTED as POSTED,
+                            TRACE_WAITING as WAITING, TRACE_DONE as DONE, TRACE_FAILED as FAILED,
+                            TRACE_SEND as SEND, TRACE_RECV as RECV, TRACE_COLL as COLL, TRACE_LIVE as LIVE,
+                            TRACE_LEFT as LEFT, TRACE_ANY as ANY, KINDS, OPS as REDUCE_OPS)
 
-MAGIC = int.from_bytes(b"SHMDTRC1", "little")
-VERSION = 1
-HEAD = 4096                         # header page; entries follow (_trace.h)
-ENTRY = 128
 DEFAULT_SIZE = 512
 MEMFD_NAME = "shmdist-trace"
-META_AT, META_MAX = 512, HEAD - 512
-_HDR = struct.Struct("<QIIQQQqqqIIQQ")   # magic, version, entry, capacity, written, changes, rank,
-#                                          world, pid, state, meta length, mono start ns, real start ns
-_ENT = struct.Struct("<QIIqqqQQQQQ16sQ")  # seq, state, op, gid, peer, tag, bytes, coll, posted, ended,
-#                                          thread, dtype, wait began
-POSTED, WAITING, DONE, FAILED = 1, 2, 3, 4
-STATES = {POSTED: "posted", WAITING: "waiting", DONE: "done", FAILED: "failed"}
-SEND, RECV, COLL = 1, 2, 16
-KINDS = ("barrier", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
-         "reduce_scatter", "all_to_all", "refused")    # collectives.KINDS, in its order
-REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG")
-LIVE, LEFT = 1, 2                   # header state
-ANY = -2                            # peer of a receive from any rank
+STATES = dict(enumerate(layout.TRACE_STATES, start=POSTED))
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 TRACE_ENV, SIZE_ENV, DIR_ENV = "SHMDIST_TRACE", "SHMDIST_TRACE_SIZE", "SHMDIST_TRACE_DIR"
 FR_PREFIX = "shmdist_fr_trace_rank_"
 TABLE_TITLE = "where each rank is (flight recorder):"   # torchfrtrace --prefix
@@ -93,12 +85,12 @@ class _Own:
     def set_meta(self, **fields) -> None:
         self.meta.update(fields)
         data = json.dumps(self.meta).encode()[:META_MAX]
-        struct.pack_into("<I", self.mm, 68, 0)
+        _U32.pack_into(self.mm, layout.TRACE_H_META_LEN, 0)
         self.mm[META_AT:META_AT + len(data)] = data
-        struct.pack_into("<I", self.mm, 68, len(data))
+        _U32.pack_into(self.mm, layout.TRACE_H_META_LEN, len(data))
 
     def set_state(self, state: int) -> None:
-        struct.pack_into("<I", self.mm, 64, state)
+        _U32.pack_into(self.mm, layout.TRACE_H_STATE, state)
 
 
 _own: _Own | None = None
@@ -123,8 +115,8 @@ def start(rank: int, world_size: int) -> None:
     """At the start of init_process_group: make (or reuse) this process's
     ring, before any peer looks for it."""
     global _own, _world_size
-    if not enabled():
-        _core.trace_attach(0, 0)
+    if not enabled():      # (again, for a re-init with SHMDIST_TRACE=0: the ring of the last one goes)
+        _drop()
         return
     if _own is None or _own.pid != os.getpid():
         try:
@@ -134,13 +126,27 @@ def start(rank: int, world_size: int) -> None:
                   file=sys.stderr)
             _own = None
             return
-    struct.pack_into("<qq", _own.mm, 40, rank, world_size)
+    struct.pack_into("<qq", _own.mm, layout.TRACE_H_RANK, rank, world_size)
     _own.set_state(LIVE)
     _own.meta = {}
     _own.set_meta(job=settings.get("SHMDIST_JOB_ID"), rank=rank, world_size=world_size,
                   groups={"0": list(range(world_size))})
     _world_size = world_size
     _core.trace_attach(_own.addr, _own.capacity)
+
+
+def _drop() -> None:
+    """Stop recording and let go of every ring this process maps: its own
+    (its memory goes once no peer maps it) and its peers'."""
+    global _own, _joined
+    _core.trace_attach(0, 0)
+    _joined = False
+    if _own is not None and _own.pid == os.getpid():
+        _own.mm.close()
+    _own = None
+    for ring in _peers.values():
+        ring.mm.close()
+    _peers.clear()
 
 
 def joined(w) -> None:
@@ -277,17 +283,17 @@ class Ring:
 
     @property
     def state(self) -> int:
-        return struct.unpack_from("<I", self.mm, 64)[0]
+        return _U32.unpack_from(self.mm, layout.TRACE_H_STATE)[0]
 
     @property
     def changes(self) -> int:
-        return struct.unpack_from("<Q", self.mm, 32)[0]
+        return _U64.unpack_from(self.mm, layout.TRACE_H_CHANGES)[0]
 
     def meta(self) -> dict:
         for _ in range(20):
-            n = struct.unpack_from("<I", self.mm, 68)[0]
+            n = _U32.unpack_from(self.mm, layout.TRACE_H_META_LEN)[0]
             raw = bytes(self.mm[META_AT:META_AT + n])
-            if n and struct.unpack_from("<I", self.mm, 68)[0] == n:
+            if n and _U32.unpack_from(self.mm, layout.TRACE_H_META_LEN)[0] == n:
                 try:
                     return json.loads(raw)
                 except ValueError:
@@ -298,12 +304,12 @@ class Ring:
     def entries(self) -> list[Entry]:
         """The entries still in the ring, oldest first (ones being rewritten are skipped)."""
         mm, cap = self.mm, self.capacity
-        written = struct.unpack_from("<Q", mm, 24)[0]
+        written = _U64.unpack_from(mm, layout.TRACE_H_WRITTEN)[0]
         out = []
         for seq in range(max(1, written - cap + 1), written + 1):
             at = HEAD + ((seq - 1) % cap) * ENTRY
             fields = _ENT.unpack_from(mm, at)
-            if fields[0] != seq or struct.unpack_from("<Q", mm, at)[0] != seq:
+            if fields[0] != seq or _U64.unpack_from(mm, at + layout.TRACE_E_SEQ)[0] != seq:
                 continue
             e = Entry()
             (e.seq, e.state, e.op, e.gid, e.peer, e.tag, e.nbytes, e.coll, e.posted, e.ended, e.thread,

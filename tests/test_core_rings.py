@@ -3,6 +3,7 @@ process playing every side: records that wrap around a ring's end, records
 that move in part (ring full, producer and consumer taking turns), the one-
 call take, doorbells and leave causes, phase flags and call descriptors,
 and the C rounds of a large all_reduce against numpy."""
+import os
 import threading
 
 import numpy as np
@@ -21,7 +22,7 @@ class Mem:
         self.raw = np.zeros(3 * 4096 + layout.RING_CTL_BYTES + size, dtype=np.uint8)
         base = (self.raw.ctypes.data + 4095) // 4096 * 4096
         self.ctl_a, self.ctl_b = base, base + layout.CTL_BYTES
-        ring_at = base + 4096
+        ring_at = self.producer_ctl = base + 4096
         self.producer = _core.Ring(ring_at, ring_at + layout.RING_CTL_BYTES, size, self.ctl_b)
         self.consumer = _core.Ring(ring_at, ring_at + layout.RING_CTL_BYTES, size, self.ctl_a)
 
@@ -107,7 +108,122 @@ def test_a_ring_rings_the_other_sides_doorbell():
     seen = _core.bell_value(mem.ctl_a)
     assert _core.wait_bell(mem.ctl_a, seen, 100, 0, 0.0) == layout.NOT_YET
     mem.consumer.pull(0, 8, 0)
+    assert _core.bell_value(mem.ctl_a) == seen        # the producer did not wait for room: no ring
+
+
+def _want(mem):
+    return int(np.frombuffer(mem.raw, np.uint32, 1, mem.producer_ctl - mem.raw.ctypes.data + layout.RING_WANT)[0])
+
+
+def test_the_consumer_rings_for_room_only_when_the_producer_waits_for_it():
+    mem = Mem(4096)
+    data = np.arange(3000, dtype=np.uint8)
+    h = header(data)
+    total = layout.record_bytes(data.nbytes)
+    assert mem.producer.push(h, data.ctypes.data, data.nbytes, 0) == total
+    assert _want(mem) == 0
+    sent = mem.producer.push(h, data.ctypes.data, data.nbytes, 0)   # the second one does not fit whole
+    assert 0 < sent < total and _want(mem) == 1
+    seen = _core.bell_value(mem.ctl_a)
+    receive(mem.consumer, data.nbytes)                 # frees room: the producer asked, so it rings
     assert _core.wait_bell(mem.ctl_a, seen, 100, 0, 0.0) == layout.DONE_SPINNING
+    assert mem.producer.push(h, data.ctypes.data, data.nbytes, sent) == total
+    assert _want(mem) == 0                             # the record went whole: asks no more
+    seen = _core.bell_value(mem.ctl_a)
+    receive(mem.consumer, data.nbytes)
+    assert _core.bell_value(mem.ctl_a) == seen
+
+
+def _ping_pong(mem, me, rounds, sizes, timeout):
+    """One side of a ping-pong over two rings in shared memory: side 0 sends
+    a message of sizes[i] bytes (bigger ones fill the ring: its producer
+    waits for room), side 1 receives it and answers 8 B. A wait spins a
+    little or not at all (so that the sides overlap in every way) and then
+    sleeps on the futex, as the engine's does. Exit status 3: a wait timed
+    out, i.e. a wakeup was lost."""
+    out, inc = mem.rings(me)
+    my_ctl = mem.ctls[me]
+    buf = np.zeros(max(sizes) + 64, dtype=np.uint8)
+    spins = np.random.default_rng(me).choice([0, 0, 20, 200, 2000], 4096)
+    waits = [0]
+
+    def wait(seen):
+        waits[0] += 1
+        if _core.wait_bell(my_ctl, seen, int(spins[waits[0] % 4096]), 0, timeout) == layout.NOT_YET:
+            os._exit(3)
+
+    def send(n):
+        h = header(buf[:n])
+        pos, total = 0, layout.record_bytes(n)
+        while True:
+            seen = _core.bell_value(my_ctl)
+            pos = out.push(h, buf.ctypes.data, n, pos)
+            if pos == total:
+                return
+            wait(seen)
+
+    def recv(n):
+        while True:
+            seen = _core.bell_value(my_ctl)
+            if inc.peek() is not None:
+                break
+            wait(seen)
+        pos, total = 0, layout.record_bytes(n)
+        while True:
+            seen = _core.bell_value(my_ctl)
+            pos = inc.pull(buf.ctypes.data, n, pos)
+            if pos == total:
+                return
+            wait(seen)
+
+    for i in range(rounds):
+        if me == 0:
+            send(sizes[i])
+            recv(8)
+        else:
+            recv(sizes[i])
+            send(8)
+
+
+class SharedMem:
+    """Two control blocks and two rings (0 -> 1, 1 -> 0) in memory two processes share."""
+    def __init__(self, size=4096):
+        import mmap
+        self.size = size
+        self.mm = mmap.mmap(-1, 3 * 4096 + 2 * (layout.RING_CTL_BYTES + size))
+        self.base = _core.buffer_address(self.mm, True)[0]
+        self.ctls = [self.base, self.base + layout.CTL_BYTES]
+
+    def rings(self, me):
+        at = [self.base + 4096 + k * (layout.RING_CTL_BYTES + self.size) for k in (0, 1)]
+        ring = lambda k: _core.Ring(at[k], at[k] + layout.RING_CTL_BYTES, self.size, self.ctls[1 - me])
+        return ring(me), ring(1 - me)     # mine to send on, the other's to receive on; each rings the other side
+
+
+def test_no_wakeup_is_lost_when_both_sides_sleep():
+    """Thousands of rounds where each side sleeps on its doorbell while it
+    waits (for a message, or for room in a full ring), and the other side
+    wakes it only through the bell: each wait may take at most 10 s, where a
+    wakeup takes microseconds; a lost one fails the test (a timed-out wait)."""
+    import multiprocessing
+    mem = SharedMem(4096)
+    rng = np.random.default_rng(7)
+    rounds = 3000
+    sizes = [int(x) for x in rng.choice([8, 100, 3000, 9000, 20000], rounds)]   # some 2-5 times the ring
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_ping_pong, args=(mem, me, rounds, sizes, 10.0)) for me in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert codes == [0, 0], f"exit codes {codes} (3: a wait timed out: a lost wakeup; None: hung)"
+    words = np.frombuffer(mem.mm, np.uint32, layout.CTL_BYTES // 2)
+    assert words[(layout.CTL_SLEEPING) // 4] == 0 and words[(layout.CTL_BYTES + layout.CTL_SLEEPING) // 4] == 0
 
 
 def test_control_block_pid_close_and_cause():

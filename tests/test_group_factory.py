@@ -17,7 +17,7 @@ def torch_subgroup_spanning_hosts(rank, world_size, init_method):
     os.environ["SHMDIST_HOST_ID"] = f"pretend-host-{rank * 2 // world_size}"   # [a, a, b, b]
     import shmdist
     import shmdist.torch  # noqa: F401  (registers the backend)
-    from shmdist.comm import arena as collectives
+    from shmdist.comm import arena
     from shmdist.api import group as groups
     dist.init_process_group("shm", init_method=init_method, rank=rank, world_size=world_size)
     spanning = dist.new_group([1, 2])       # one rank on each pretend host
@@ -30,10 +30,11 @@ def torch_subgroup_spanning_hosts(rank, world_size, init_method):
             dist.all_reduce(t, group=sub)
             assert torch.equal(t, torch.full((3,), float(sum(members)))), f"rank {rank}: {name}: {t}"
             (g,) = made
-            out[name] = (isinstance(g.coll, collectives.GroupComm), g.gid >= groups.SUBGROUP_GID_BASE)
+            out[name] = (isinstance(g.coll, arena.GroupComm), g.gid)
         else:
             assert not made, f"rank {rank}: {name}: a subgroup it is not a member of is in its world"
     out["arenas"] = shmdist.memory_usage()["collective_arenas"] > 0
+    out["new_group"] = shmdist.new_group([0, 1, 2, 3]).gid    # the same counter as torch's subgroups
     dist.barrier()
     dist.destroy_process_group()
     return out
@@ -43,7 +44,11 @@ def test_torch_shm_subgroup_spanning_hosts_is_made_by_the_group_factory(run_rank
     """Before the factory, torch.py opened a subgroup's arena itself: a subgroup
     spanning hosts tried to share one arena between hosts."""
     got = run_ranks(torch_subgroup_spanning_hosts, 4, timeout=180)
-    assert got[0] == {"arenas": True}
-    assert got[1] == {"spanning": (False, True), "arenas": True}     # hierarchical: no shared arena
-    assert got[2] == {"spanning": (False, True), "local": (True, True), "arenas": True}
-    assert got[3] == {"local": (True, True), "arenas": True}
+    spanning, local, made = got[1]["spanning"][1], got[3]["local"][1], got[0]["new_group"]
+    assert got[0] == {"arenas": True, "new_group": made}
+    assert got[1] == {"spanning": (False, spanning), "arenas": True, "new_group": made}   # hierarchical: no shared arena
+    assert got[2] == {"spanning": (False, spanning), "local": (True, local), "arenas": True, "new_group": made}
+    assert got[3] == {"local": (True, local), "arenas": True, "new_group": made}
+    # one allocator: torch's subgroups and shmdist.new_group's take ids from the same counter
+    # (rank 0, in neither subgroup, may make its new_group before the second subgroup is made)
+    assert sorted([spanning, local, made]) == [1, 2, 3] and spanning < local

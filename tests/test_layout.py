@@ -57,7 +57,7 @@ class _FakeEngine:
     def __init__(self):
         self.backoff = _core.Backoff(0, 0)
         self.lock = threading.RLock()
-        self.sendq, self.rx, self.posted, self.unexpected = {}, {0: None, 1: None}, [], []
+        self.queues = _core.Queues([0, 1])
 
 
 def _ring_pair(mem, size=1 << 16):

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,19 @@ import shmdist as dist
 from ranks import wait_until_gone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _shm_names():
+    return {n for n in os.listdir("/dev/shm") if "shmdist" in n or "trace" in n}
+
+
+@pytest.fixture(autouse=True)
+def _nothing_new_in_dev_shm():
+    """Every test here, each hang included: the recorders and segments are
+    nameless, so nothing of ours appears in /dev/shm."""
+    before = _shm_names()
+    yield
+    assert not _shm_names() - before
 
 
 def _short_timeout(seconds):
@@ -40,6 +54,16 @@ def _idle_until(flag):
 
 def _raise(flag):
     open(flag, "w").close()
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 def _timeout_text(fn):
@@ -299,6 +323,8 @@ def test_hang_after_prints_the_table_by_itself(tmp_path):
 # ---------------------------------------------------------------- history on failure, switching it off
 
 def _history(rank, world_size, init_method, flag):
+    if rank == 1:
+        time.sleep(0.8)     # rank 0's set-up waits in slices meanwhile: their timeouts are not errors
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     x = np.arange(6, dtype=np.float64)
     dist.all_reduce(x)
@@ -319,6 +345,7 @@ def test_history_json_on_a_dist_error(run_ranks, tmp_path):
     hist = json.loads((tmp_path / "shmdist-trace-rank0.json").read_text())
     assert hist["format"] == "shmdist-trace" and hist["version"] == 1
     assert hist["rank"] == 0 and hist["world_size"] == 2 and hist["groups"] == {"0": [0, 1]}
+    assert len(hist["errors"]) == 1, hist["errors"]
     assert "Timed out" in hist["errors"][0] and "a receive nobody sends to" in hist["diagnosis"]
     ar, send, recv = hist["entries"][-3:]
     assert {k: ar[k] for k in ("op", "state", "group", "group_ranks", "collective", "root", "reduce_op",
@@ -388,6 +415,30 @@ def test_shmdist_trace_0_turns_it_off(run_ranks, tmp_path):
                                                                  "SHMDIST_TRACE_DIR": str(tmp_path)})
     assert "Timed out" in text and "flight recorder" not in text
     assert found == [] and os.listdir(tmp_path) == []
+
+
+def _reinit_on_off_on(rank, world_size, init_method, ports):
+    """Three jobs in one process: recorder on, then SHMDIST_TRACE=0, then on."""
+    from shmdist import trace
+    out = []
+    for on, method in zip(("1", "0", "1"), [init_method] + [f"tcp://127.0.0.1:{p}" for p in ports]):
+        os.environ["SHMDIST_TRACE"] = on
+        dist.init_process_group("shm", method, rank=rank, world_size=world_size, timeout=60)
+        text = ""
+        if rank == 0:
+            text = _timeout_text(lambda: dist.recv(np.zeros(1), src=1, tag=4).wait(timeout=0.3))
+        dist.barrier()
+        out.append((len(_trace_fds()), trace.own_ring() is not None, "flight recorder" in text))
+        dist.destroy_process_group()
+    return out
+
+
+def test_shmdist_trace_0_on_a_re_init_drops_the_ring(run_ranks):
+    """destroy_process_group, then init again with SHMDIST_TRACE=0: the ring
+    of the first job is let go (no descriptor, nothing recorded, no table),
+    and a third init with it on makes a new one."""
+    got = run_ranks(_reinit_on_off_on, 2, _free_ports(2), timeout=90, env={"SHMDIST_TRACE": "1"})[0]
+    assert got == [(2, True, True), (0, False, False), (2, True, True)], got
 
 
 def _both_fail(rank, world_size, init_method):
@@ -469,3 +520,126 @@ def test_hang_after_stays_quiet_while_ranks_compute(tmp_path):
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr
     assert "no rank progressed" not in out.stderr
+
+
+# ---------------------------------------------------------------- the layout, defined once
+
+def test_the_c_writer_and_the_python_reader_share_layout_py():
+    """Entry offsets name the struct's fields, and what C writes (sd_tr_post,
+    sd_tr_set) Python reads back field by field."""
+    from shmdist import _core, layout, trace
+    raw = bytes(range(256))[:layout.TRACE_ENT.size]
+    fields = layout.TRACE_ENT.unpack(raw)
+    offsets = [layout.TRACE_E_SEQ, layout.TRACE_E_STATE, layout.TRACE_E_OP, layout.TRACE_E_GID,
+               layout.TRACE_E_PEER, layout.TRACE_E_TAG, layout.TRACE_E_NBYTES, layout.TRACE_E_COLL,
+               layout.TRACE_E_POSTED, layout.TRACE_E_ENDED, layout.TRACE_E_THREAD, layout.TRACE_E_DTYPE,
+               layout.TRACE_E_WAIT]
+    sizes = [8, 4, 4, 8, 8, 8, 8, 8, 8, 8, 8, layout.DTYPE_BYTES, 8]
+    for value, at, size in zip(fields, offsets, sizes):
+        got = raw[at:at + size]
+        assert got == value or int.from_bytes(got, "little", signed=True) == value or \
+            int.from_bytes(got, "little") == value
+    assert layout.TRACE_ENT.size <= layout.TRACE_ENTRY and layout.TRACE_HDR.size <= layout.TRACE_META_AT
+    own = trace._Own(4)
+    try:
+        _core.trace_attach(own.addr, own.capacity)
+        seq = _core.trace_post(layout.TRACE_COLL + layout.KINDS.index("reduce"), layout.TRACE_POSTED, 7, 3,
+                               int(dist.ReduceOp.MAX), 4096, 12, b"float64".ljust(16, b"\0"))
+        _core.trace_set(seq, layout.TRACE_WAITING)
+        (e,) = trace.Ring(own.mm).entries()
+        assert (e.seq, e.state, e.kind, e.gid, e.peer, e.tag, e.nbytes, e.coll, e.dtype) == \
+            (1, layout.TRACE_WAITING, "reduce", 7, 3, int(dist.ReduceOp.MAX), 4096, 12, "float64")
+        assert e.posted and e.wait_began >= e.posted and e.ended == 0
+        _core.trace_set(seq, layout.TRACE_DONE)
+        (e,) = trace.Ring(own.mm).entries()
+        assert e.state == layout.TRACE_DONE and e.ended >= e.wait_began
+        assert trace.Ring(own.mm).changes == 3
+    finally:
+        _core.trace_attach(0, 0)
+        own.mm.close()
+
+
+# ---------------------------------------------------------------- every classic hang through torch's "shm"
+
+def _torch_classic(rank, world_size, init_method, case, flag):
+    """Build the classic hang ``case`` with torch.distributed over backend
+    "shm"; return the text of the error the rank that times out (or
+    survives) gets, "" for the others."""
+    import datetime
+    import torch
+    import torch.distributed as tdist
+    import shmdist.torch  # noqa: F401  (registers the backend)
+    tdist.init_process_group("shm", init_method=init_method, rank=rank, world_size=world_size,
+                             timeout=datetime.timedelta(seconds=60))
+    sub = tdist.new_group([1, 2]) if case == "different" else None
+    t = torch.ones(4)
+    tdist.all_reduce(t)                       # collective #1 of WORLD: everyone
+    short = datetime.timedelta(seconds=1.5)
+
+    def text_of(fn):
+        try:
+            fn()
+        except Exception as e:     # noqa: BLE001 - the test reads its text
+            return f"{type(e).__name__}: {e}"
+        raise AssertionError("expected an error")
+
+    text = ""
+    if case == "never":
+        _short_timeout(1.5 if rank == 0 else 30)
+        if rank != 2:
+            text = text_of(lambda: tdist.broadcast(t, src=0))     # #2: rank 2 skips it
+            _raise(flag)
+        else:
+            _idle_until(flag)
+    elif case == "different":
+        _short_timeout(1.5 if rank == 0 else 30)
+        text = text_of(lambda: tdist.all_reduce(t, group=sub if rank == 1 else None))
+        return text
+    elif case == "send":
+        if rank == 0:
+            text = text_of(lambda: tdist.isend(torch.ones(1 << 18), dst=1).wait(short))
+            _raise(flag)
+        else:
+            _idle_until(flag)
+    elif case == "tags":
+        if rank == 0:
+            tdist.send(torch.ones(1), dst=1, tag=0)
+            _idle_until(flag)
+        else:
+            text = text_of(lambda: tdist.irecv(torch.zeros(1), src=0, tag=9).wait(short))
+            _raise(flag)
+    elif case == "gone":
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return text_of(lambda: tdist.barrier())
+    tdist.destroy_process_group()
+    return text
+
+
+TORCH_CASES = {   # case: (ranks, the rank whose text is read, what it must say)
+    "never": (3, 0, ["rank 0: in broadcast #2 of WORLD (root 0, 16 B float32), waiting for rank 2",
+                     "a rank that never called it: ranks 0,1 wait in broadcast #2 of WORLD (root 0, 16 B "
+                     "float32), but rank 2 is not inside any shmdist call"]),
+    "different": (3, 0, ["rank 1: in all_reduce #1 (group [1, 2], SUM, 16 B float32), waiting for rank 2",
+                         "a rank in a different collective: ranks 0,2 wait in all_reduce #2 of WORLD (SUM, 16 B "
+                         "float32), but rank 1 is in all_reduce #1 (group [1, 2], SUM, 16 B float32)"]),
+    "send": (2, 0, ["a send nobody receives: rank 0 waits in send to rank 1 (tag 0, 1 MiB float32) (too big to "
+                    "leave in the ring), but rank 1 does not receive it: rank 1 is not inside any shmdist call"]),
+    "tags": (2, 1, ["rank 1: in recv from rank 0 (tag 9, 4 B float32), waiting for rank 0",
+                    "tags differ: rank 1 waits in recv from rank 0 (tag 9, 4 B float32), but rank 0's send to "
+                    "rank 1 (tag 0, 4 B float32) does not match it; use the same tag and group on both sides"]),
+    "gone": (3, 0, ["rank 2: gone (process", "a rank that is gone: rank 2 (process"]),
+}
+
+
+@pytest.mark.parametrize("case", list(TORCH_CASES))
+def test_each_classic_hang_through_torch_backend_shm(run_ranks, tmp_path, case):
+    """(The receive nobody sends to: test_through_torch_backend_shm.)"""
+    pytest.importorskip("torch")
+    n, reader, wanted = TORCH_CASES[case]
+    results = run_ranks(_torch_classic, n, case, str(tmp_path / "flag"), timeout=120, errors="return",
+                        env={"SHMDIST_RING_BYTES": "65536"} if case == "send" else None)
+    text = str(results[reader])
+    print(text)
+    for line in wanted:
+        assert line in text, f"{line!r} not in:\n{text}"

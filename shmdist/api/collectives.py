@@ -24,8 +24,8 @@ from shmdist.reduce_ops import ReduceOp, as_op, check, reduce_into
 from shmdist.request import completed
 from shmdist import _core
 from shmdist.transport.engine import COLLECTIVE_GID
-from shmdist.request import DistributedRequest
 from shmdist.tensors import Buf, as_buf, describe, typed_view
+from shmdist.comm import shared as _shared
 
 
 def _enter(op: str, group):
@@ -155,14 +155,20 @@ def broadcast(tensor, src: int, group=None, async_op=False):
     with _refusing(comm, g, "broadcast"):
         root = _root(w, g, src, "broadcast", "src")
         buf = as_buf(tensor, writable=root != g.rank(), who=f"rank {w.rank}: broadcast")
+        shared = _shared.live and _shared.target(w.rank, "broadcast", g, buf)   # shmdist.empty memory
     with comm.lock:
-        comm.broadcast(buf, root, g.timeout)
+        if shared:
+            _shared.broadcast(comm, *shared, buf, root, g.timeout)
+        else:
+            comm.broadcast(buf, root, g.timeout)
     return _done("broadcast", async_op, [tensor], [buf])
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``tensor`` across the group; every rank ends with the result, in place."""
     quick = op.__class__ is ReduceOp      # the one-call path may apply
+    if _shared.live and getattr(tensor, "nbytes", 0) > _shared.IN_PLACE_MIN:
+        quick = False                     # maybe shmdist.empty memory: in place, below
     if quick and group is None and _fast.lane is not None:    # the default group's, before any other work
         arr, name = tensor, None
         if tensor.__class__ is not np.ndarray:
@@ -188,8 +194,12 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
         op = as_op(op, who)
         buf = as_buf(tensor, writable=True, who=who)
         arr = _reducible(buf, op, who)
+        shared = _shared.live and _shared.target(w.rank, "all_reduce", g, buf)   # shmdist.empty memory
     with comm.lock:
-        comm.all_reduce(buf, arr, op, g.timeout)
+        if shared:
+            _shared.all_reduce(comm, *shared, buf, arr, op, g.timeout)
+        else:
+            comm.all_reduce(buf, arr, op, g.timeout)
     return _done("all_reduce", async_op, [tensor], [buf])
 
 
@@ -477,20 +487,13 @@ def _check_sizes(g, comm, who, outs, ins):
 
 
 def _exchange_p2p(w, g, who, outs, ins):
+    """Every rank sends its j-th input to group rank j and receives its j-th
+    output from it, by point-to-point messages (Engine.exchange)."""
     me = g.rank()
-    gid = COLLECTIVE_GID | g.gid
-    reqs = []
-    for j, r in enumerate(g.ranks):
-        if j == me:
-            _core.copy(outs[j].addr, ins[j].addr, ins[j].nbytes)
-            continue
-        rq = DistributedRequest(w.engine, f"{who.partition(': ')[2]} receive from rank {r}")
-        w.engine.recv(rq, outs[j], r, gid, 0, g.ranks)
-        sq = DistributedRequest(w.engine, f"{who.partition(': ')[2]} send to rank {r}")
-        w.engine.send(sq, ins[j], r, gid, 0)
-        reqs += [rq, sq]
-    for q in reqs:
-        q.wait(g.timeout)
+    _core.copy(outs[me].addr, ins[me].addr, ins[me].nbytes)
+    others = [(j, r) for j, r in enumerate(g.ranks) if j != me]
+    w.engine.exchange(who.partition(": ")[2], [(ins[j], r) for j, r in others], [(outs[j], r) for j, r in others],
+                      COLLECTIVE_GID | g.gid, g.ranks, g.timeout)
 
 
 # ---------------------------------------------------------------- object collectives
@@ -609,3 +612,20 @@ def recv_object_list(object_list, src: int | None = None, group=None, device=Non
                                 f"objects but the list holds {len(object_list)}; pass lists of the same length")
     object_list[:] = objs
     return req.source
+
+
+# ---------------------------------------------------------------- memory shared from the start
+
+def empty(shape, dtype=None, group=None):
+    """An uninitialised array of ``shape`` and ``dtype`` (default float32) in
+    memory shared by the group's local members, for collectives that skip
+    their copies (comm/shared.py). A collective call: every member calls it
+    with the same shape and dtype. A torch dtype gives a torch tensor, any
+    other a numpy array. Across hosts it is ordinary memory."""
+    w, g, comm = _enter("empty", group)
+    if comm is None:
+        return _shared.Spec(shape, dtype, f"rank {w.rank}: empty").ordinary()
+    with _refusing(comm, g, "empty"):
+        spec = _shared.Spec(shape, dtype, f"rank {w.rank}: empty")
+    with comm.lock:
+        return _shared.allocate(w.rank, g, comm, spec, g.timeout)

@@ -40,12 +40,12 @@ class FastPaths:
         if world is None or not self.enabled:
             self.lane = self.barrier = self.coll = self.world = None
             return
-        from shmdist.comm import arena as collectives
+        from shmdist.comm import arena
         coll = world.default.coll
         self.lane = world.engine.lane
         self.coll = coll
         self.world = world
-        self.barrier = coll.ph.barrier if isinstance(coll, collectives.GroupComm) else None
+        self.barrier = coll.ph.barrier if isinstance(coll, arena.GroupComm) else None
 
     def set_enabled(self, on: bool, world=None) -> None:
         """The switch: off, every call takes the general path."""

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from shmdist import settings
-from shmdist.comm import arena as collectives
+from shmdist.comm import arena
 from shmdist.rendezvous import store as rendezvous
 from shmdist import trace   # the flight recorder: hook lines marked "trace:" below
 from shmdist.transport.engine import Engine
@@ -27,7 +27,6 @@ from shmdist.transport.shm import ShmHost
 from shmdist.tensors import as_buf
 
 DEFAULT_TIMEOUT = 1800.0   # seconds, torch's default for CPU backends
-SUBGROUP_GID_BASE = 1 << 32   # group ids of torch's subgroups (subgroup_gid); new_group's count from 1
 FAILED_INIT_LINGER = 3.0   # seconds the master keeps the store up after a failed init
 BACKENDS = {"shm": "shm", "gloo": "shm", "tcp": "tcp"}
 
@@ -92,25 +91,20 @@ class World:
         self.pid = os.getpid()
         self.forked = False
         self.lock = threading.Lock()
-        self.last_gid = 0      # group ids this world handed out; 0 is the default group
+        self.new_groups = 0    # shmdist.new_group calls this rank made (every rank makes the same)
 
-    def allocate_gid(self) -> int:
-        """shmdist.new_group's group ids: the next id, never one handed out
-        before in this world (a failed new_group consumes its id too, so its
-        store keys are never met again). Every rank calls new_group in the
-        same order, so the ids agree. Ids stay below SUBGROUP_GID_BASE and
-        engine.COLLECTIVE_GID."""
-        with self.lock:
-            self.last_gid += 1
-            return self.last_gid
-
-    def subgroup_gid(self, store, first: bool) -> int:
-        """The id of a group only its members make (torch's new_group calls
-        the backend on members only, so they cannot count locally): the
-        ``first`` member takes the next number of a world-wide counter and
-        leaves it in ``store``, the group's own store, for the others."""
+    def allocate_gid(self, store, first: bool) -> int:
+        """The id of a new group, from the one allocator of every group id
+        (shmdist.new_group's, torch's subgroups'): the group's ``first``
+        member takes the next number of the world's store counter and leaves
+        it in ``store``, a store only this group's making uses, for the
+        others (torch calls its backend on the members only, so they cannot
+        count locally). Ids count from 1 (0 is the default group), are never
+        handed out twice (a failed new_group consumes its id too, so its
+        store keys are never met again) and stay below engine.COLLECTIVE_GID
+        (2**40 groups: more than any job makes)."""
         if first:
-            store.set("gid", str(SUBGROUP_GID_BASE + self.store.add("torch-groups", 1)).encode())
+            store.set("gid", str(self.store.add("gids", 1)).encode())
         return int(store.get("gid", self.timeout))
 
     def barrier(self, name: str) -> None:
@@ -218,9 +212,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     else:
         scheme, where = "store", None
         if rank < 0 or world_size < 0:
-            env = os.environ
-            rank = int(env.get("RANK", rank)) if rank < 0 else rank
-            world_size = int(env.get("WORLD_SIZE", world_size)) if world_size < 0 else world_size
+            rank = int(settings.launcher("RANK") or rank) if rank < 0 else rank
+            world_size = int(settings.launcher("WORLD_SIZE") or world_size) if world_size < 0 else world_size
     if not isinstance(world_size, int) or world_size < 1:
         raise DistError(f"init_process_group: world_size must be a positive int, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -341,7 +334,7 @@ def _open_collectives(w: World, g: ProcessGroup):
     """The collective engine of a group: its shared arena when every member
     shares this rank's memory, else the hierarchical one (by host, then TCP)."""
     if w.host is not None and all(w.nodes[r] == w.nodes[w.rank] for r in g.ranks):
-        return collectives.open_group(w, g)
+        return arena.open_group(w, str(g.gid), g.ranks)
     from shmdist.comm import hier
     return hier.open_group(w, g)
 
@@ -409,7 +402,10 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
     if len(set(members)) != len(members):
         raise DistError(f"{who}: ranks {members} repeat a rank; list each rank once")
     members = tuple(sorted(members))
-    gid = w.allocate_gid()   # every rank, whatever happens next: ids stay in step and are never reused
+    with w.lock:
+        w.new_groups += 1    # every rank, whatever happens next: its calls stay in step with the others'
+        call = w.new_groups
+    gid = w.allocate_gid(rendezvous.PrefixStore(f"new_group/{call}/", w.store), w.rank == 0)
     seconds = _seconds(timeout) if timeout is not None else w.timeout
     # Agree on the members first, through the store, before any arena exists:
     # ranks that disagree then fail with the mismatch and map nothing.

@@ -68,9 +68,13 @@ def _said(what) -> str:
     return what() if callable(what) else what
 
 
-def open_group(world, group) -> "GroupComm":
-    """Create (lowest member) or attach the group's arena. Members only."""
-    n = group.size()
+def open_group(world, key: str, ranks) -> "GroupComm":
+    """Create (lowest member) or attach the shared arena of the group of
+    global ``ranks`` (this rank among them) that ``key`` names: the group's
+    id, or for a node of a group across hosts the id and the node's leader
+    (hier.py). Members only."""
+    ranks = tuple(ranks)
+    n = len(ranks)
     slot = slot_bytes()
     rounds = settings.get(ROUND_ENV)   # the creator's settings hold for every member
     if n > len(os.sched_getaffinity(0)):   # see BUSY_SLOT_BYTES; a setting in the environment still wins
@@ -82,12 +86,11 @@ def open_group(world, group) -> "GroupComm":
     # Keyed by the group id and its members: a rank can only ever meet the
     # arena of the very group it asked for (new_group also agrees first).
     import hashlib   # here, not at the top: this function is all of arena.py the group work owns
-    members = hashlib.sha1(repr(tuple(group.ranks)).encode()).hexdigest()[:12]
-    key = f"arena/{group.gid}/{members}"
-    creator = world.rank == group.ranks[0]
-    seg = segment.share(world.store, key, n, creator, size if creator else 0, who, world.timeout,
-                        init=lambda s: layout.PARAMS.pack_into(s.mm, layout.PARAMS_AT, slot, rounds))
-    return GroupComm(world, group, seg)
+    members = hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
+    creator = world.rank == ranks[0]
+    seg = segment.share(world.store, f"arena/{key}/{members}", n, creator, size if creator else 0, who,
+                        world.timeout, init=lambda s: layout.PARAMS.pack_into(s.mm, layout.PARAMS_AT, slot, rounds))
+    return GroupComm(world, ranks, seg)
 
 
 class Comm(Protocol):
@@ -123,10 +126,10 @@ class GroupComm:
     quick_names = True     # quick_all_reduce takes a dtype name ("bfloat16" bits as uint16)
     retired: str | None = None   # why the group was destroyed, for a thread still inside a call
 
-    def __init__(self, world, group, seg):
-        self.world, self.group, self.seg = world, group, seg
-        self.n = group.size()
-        self.me = group.rank()
+    def __init__(self, world, ranks: tuple, seg):
+        self.world, self.ranks, self.seg = world, ranks, seg   # ranks: the members' global ranks
+        self.n = len(ranks)
+        self.me = ranks.index(world.rank)
         self.rank = world.rank
         self.slot, self.round_bytes = layout.PARAMS.unpack_from(seg.mm, layout.PARAMS_AT)
         base = seg.addr
@@ -135,7 +138,7 @@ class GroupComm:
         self.buffers = [[base + data_at + (2 * i + b) * self.slot for b in (0, 1)] for i in range(self.n)]
         host = world.host
         self.my_bell = host.my_ctl
-        self.others = np.array([host.ctls[r] for r in group.ranks if r != world.rank], dtype=np.uint64)
+        self.others = np.array([host.ctls[r] for r in ranks if r != world.rank], dtype=np.uint64)
         self.packed: dict[tuple, bytes] = {}   # descriptors already packed, by call
         self.rows: dict[tuple, np.ndarray] = {}  # _rows views, by (parity, count, dtype)
         self.quick: dict[tuple, tuple | None] = {}   # quick_all_reduce plans, by (dtype, op)
@@ -222,19 +225,19 @@ class GroupComm:
                                 "the other members; it never completes")
             late = [i for i in range(self.n) if _core.load_u64(self.ctl[i]) < target]
             for i in late:
-                why = self.world.engine.peer_gone(self.group.ranks[i])
+                why = self.world.engine.peer_gone(self.ranks[i])
                 if why:
-                    self.broken = f"rank {self.group.ranks[i]} {why} during {what}"
+                    self.broken = f"rank {self.ranks[i]} {why} during {what}"
                     raise DistPeerError(
-                        f"rank {self.rank}: {what}: rank {self.group.ranks[i]} {why} before the "
+                        f"rank {self.rank}: {what}: rank {self.ranks[i]} {why} before the "
                         "collective finished; the group cannot continue, restart the job")
             if time.monotonic() >= deadline:
-                waiting = ", ".join(str(self.group.ranks[i]) for i in late)
+                waiting = ", ".join(str(self.ranks[i]) for i in late)
                 self.broken = f"{what} timed out"
                 self.world.engine.note_timeout(f"{what} waiting for rank{'s' if len(late) > 1 else ''} {waiting}")
                 raise DistTimeoutError(
                     f"rank {self.rank}: {what}: Timed out after {timeout:g} s waiting for rank(s) "
-                    f"{waiting} of group {list(self.group.ranks)}; they have not called it. This "
+                    f"{waiting} of group {list(self.ranks)}; they have not called it. This "
                     "group can no longer run collectives: destroy it (or the job) and start again")
 
     def _first_pass(self, what, desc: tuple | bytes, timeout: float) -> None:
@@ -246,11 +249,11 @@ class GroupComm:
     def _packed(self, what, desc: tuple | bytes) -> bytes:
         """The call's descriptor as its members compare it; refuses a broken group."""
         if self.broken:
-            raise unusable(self.rank, what, self.group.ranks, self.broken)
+            raise unusable(self.rank, what, self.ranks, self.broken)
         packed = desc if desc.__class__ is bytes else self.packed.get(desc)
         if packed is None:
             kind, nbytes, op, root, dtype, extra = desc
-            root = self.group.ranks[root] if root >= 0 else -1
+            root = self.ranks[root] if root >= 0 else -1
             packed = layout.pack_desc(kind, nbytes, op, root, dtype.encode(), extra)
             if len(self.packed) >= 1024:
                 self.packed.clear()
@@ -261,7 +264,7 @@ class GroupComm:
         """Raise the error for a call the members disagree on (the last one)."""
         parity = (self.calls - 1) % 2
         descs = [self._read_desc(i, parity) for i in range(self.n)]
-        raise disagree(self.rank, what, self.group.ranks, descs, self.calls)
+        raise disagree(self.rank, what, self.ranks, descs, self.calls)
 
     def _desc_at(self, member: int, parity: int) -> int:
         return self.ctl[member] - self.seg.addr + layout.SLOT_DESC + layout.DESC_BYTES * parity
@@ -305,7 +308,7 @@ class GroupComm:
 
     def broadcast(self, buf, root: int, timeout: float) -> None:
         """Root streams through its buffers; the others copy out."""
-        what = lambda: f"broadcast(src={self.group.ranks[root]}, {buf.describe()})"
+        what = lambda: f"broadcast(src={self.ranks[root]}, {buf.describe()})"
         total, chunk = buf.nbytes, self.slot
         rounds = max(1, -(-total // chunk))
         for r in range(rounds):
@@ -373,7 +376,7 @@ class GroupComm:
         """
         kind = "all_reduce" if root < 0 else "reduce"
         what = (lambda: f"{kind}({op.name}, {buf.describe()})") if root < 0 else \
-            (lambda: f"reduce({op.name}, dst={self.group.ranks[root]}, {buf.describe()})")
+            (lambda: f"reduce({op.name}, dst={self.ranks[root]}, {buf.describe()})")
         desc = (kind, buf.nbytes, int(op), root, buf.dtype, 0)
         n, me, dtype = self.n, self.me, arr.dtype
         isz = dtype.itemsize
@@ -444,7 +447,7 @@ class GroupComm:
         """Each rank's input lands in every rank's ``outs`` (or only root's, for gather)."""
         kind = "all_gather" if root < 0 else "gather"
         what = (lambda: f"{kind}({buf.describe()})") if root < 0 else \
-            (lambda: f"gather(dst={self.group.ranks[root]}, {buf.describe()})")
+            (lambda: f"gather(dst={self.ranks[root]}, {buf.describe()})")
         total, chunk = buf.nbytes, self.slot
         rounds = max(1, -(-total // chunk))
         for r in range(rounds):
@@ -461,7 +464,7 @@ class GroupComm:
 
     def scatter(self, ins: list, buf, root: int, timeout: float) -> None:
         """Root's j-th input lands in rank j's ``buf``."""
-        what = lambda: f"scatter(src={self.group.ranks[root]}, {buf.describe()})"
+        what = lambda: f"scatter(src={self.ranks[root]}, {buf.describe()})"
         n = self.n
         total = buf.nbytes
         chunk = self.slot // n // 64 * 64
@@ -559,7 +562,7 @@ def mismatch(message: str, descs: list) -> DistMismatchError:
 
 
 def _describe(d: tuple) -> str:
-    _, kind, nbytes, op, root, dtype, _ = d
+    _, kind, nbytes, op, root, dtype, extra = d
     name = KINDS[kind] if kind < len(KINDS) else f"collective kind {kind}"
     if name == "refused":
         of = KINDS[op] if 0 <= op < len(KINDS) else "a collective"
@@ -571,4 +574,8 @@ def _describe(d: tuple) -> str:
         args.append(f"root={root}")
     if name != "barrier":
         args.append(f"{nbytes} bytes of {dtype.rstrip(bytes(1)).decode()}")
+    if name == "empty":
+        args.append(f"shape digest {extra:08x}")
+    elif extra and name in ("all_reduce", "broadcast"):     # in place (comm/shared.py)
+        args.append(f"in place in shmdist.empty memory #{extra >> 40} at offset {extra & (1 << 40) - 1}")
     return f"{name}({', '.join(args)})"

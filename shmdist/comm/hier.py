@@ -29,29 +29,14 @@ from contextlib import contextmanager
 import numpy as np
 
 from shmdist import _core, layout, settings
-from shmdist.comm import arena as collectives
+from shmdist.comm import arena
 from shmdist.comm import inter
 from shmdist.transport.engine import COLLECTIVE_GID
 from shmdist.errors import DistError, DistPeerError, DistTimeoutError
 from shmdist.reduce_ops import ReduceOp, _from_f32, _to_f32, reduce_into
-from shmdist.request import DistributedRequest
 from shmdist.tensors import Buf, as_buf
 
-TAG = 0
 sharded = {"calls": 0}   # all_reduces this process ran sharded (tests, bench)
-
-
-class _Node:
-    """The members of a group on one node, as collectives.open_group needs them."""
-
-    def __init__(self, gid: str, ranks: list[int], rank: int):
-        self.gid, self.ranks, self._rank = gid, tuple(ranks), ranks.index(rank)
-
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def rank(self) -> int:
-        return self._rank
 
 
 def open_group(world, group) -> "HierComm":
@@ -62,7 +47,7 @@ def open_group(world, group) -> "HierComm":
     mine = nodes[world.nodes[world.rank]]
     comm = None
     if len(mine) > 1:
-        comm = collectives.open_group(world, _Node(f"{group.gid}/{mine[0]}", mine, world.rank))
+        comm = arena.open_group(world, f"{group.gid}/{mine[0]}", mine)
     return HierComm(world, group, list(nodes.values()), comm)
 
 
@@ -76,7 +61,7 @@ def _piece(addr: int, nbytes: int) -> Buf:
 
 
 class HierComm:
-    """collectives.Comm for a group spanning nodes (GroupComm is the one for
+    """arena.Comm for a group spanning nodes (GroupComm is the one for
     a group inside one node)."""
 
     def __init__(self, world, group, nodes: list[list[int]], comm):
@@ -139,29 +124,18 @@ class HierComm:
             raise
 
     def _exchange(self, what: str, sends: list, recvs: list, timeout: float) -> None:
-        """Post ``recvs`` [(buf, src)] and ``sends`` [(buf, dst)], wait for all."""
+        """Post ``recvs`` [(buf, src)] and ``sends`` [(buf, dst)], wait for all (Engine.exchange)."""
         between = None
         if self.inter:   # takes the leader-to-leader messages (see inter.py)
             with self._step(what):
                 sends, recvs, between = self.inter.start(what, sends, recvs, timeout)
-        reqs = []
-        for buf, src in recvs:
-            req = DistributedRequest(self.engine, f"{what}: receive from rank {src}")
-            self.engine.recv(req, buf, src, self.gid, TAG, self.group.ranks)
-            reqs.append(req)
-        for buf, dst in sends:
-            req = DistributedRequest(self.engine, f"{what}: send to rank {dst}")
-            self.engine.send(req, buf, dst, self.gid, TAG)
-            reqs.append(req)
         with self._step(what):
-            req = None
             try:
-                for req in reqs:
-                    req.wait(timeout)
+                self.engine.exchange(what, sends, recvs, self.gid, self.group.ranks, timeout)
                 if between:
                     between.wait(timeout)
             except (DistTimeoutError, DistPeerError) as e:   # name the host the peer is on
-                raise inter.on_host(self, e, getattr(req, "_peers", None) or ()) from e
+                raise inter.on_host(self, e, getattr(e, "peers", ())) from e
 
     def _local_broadcast(self, buf, root: int, what: str, timeout: float) -> None:
         """Broadcast inside this node from global rank ``root``."""
@@ -172,7 +146,7 @@ class HierComm:
     def _check(self, what: str, desc: tuple, timeout: float) -> None:
         """Compare every member's descriptor of this call (see the module doc)."""
         if self.broken:
-            raise collectives.unusable(self.rank, what, self.group.ranks, self.broken)
+            raise arena.unusable(self.rank, what, self.group.ranks, self.broken)
         kind, nbytes, op, root, dtype, extra = desc
         mine = np.frombuffer(layout.pack_desc(kind, nbytes, op, self.group.ranks[root] if root >= 0 else -1,
                                               dtype.encode(), extra), dtype=np.int64)
@@ -193,7 +167,7 @@ class HierComm:
                               self.local[0], what, timeout)
         if (table != table[0]).any():
             descs = [_desc(rows[r]) for r in self.group.ranks]
-            raise collectives.disagree(self.rank, what, self.group.ranks, descs)
+            raise arena.disagree(self.rank, what, self.group.ranks, descs)
 
     def _block(self, table: np.ndarray, node: int) -> Buf:
         """The table rows of one node's members, as a buffer."""
@@ -211,7 +185,7 @@ class HierComm:
 
     def refuse(self, kind: str, timeout: float) -> None:
         """As GroupComm.refuse."""
-        self._check(f"{kind} (refused)", collectives.refused(kind), timeout)
+        self._check(f"{kind} (refused)", arena.refused(kind), timeout)
 
     def broadcast(self, buf, root: int, timeout: float) -> None:
         """Inside the root's node, then root's leader to the other leaders,
@@ -432,6 +406,6 @@ class HierComm:
 
 
 def _desc(row: np.ndarray) -> tuple:
-    """A table row (a packed layout.DESC) as the descriptor tuple collectives._describe reads."""
+    """A table row (a packed layout.DESC) as the descriptor tuple arena.disagree reads."""
     return layout.DESC.unpack(row.tobytes())
 

@@ -36,6 +36,7 @@ import re
 import socket
 from dataclasses import dataclass
 
+from shmdist import settings
 from shmdist.errors import DistError
 
 PORT_BASE, PORT_SPAN = 20000, 20000    # ports derived from a job id fall in [20000, 40000)
@@ -73,8 +74,9 @@ def _int(env, key: str, source: str) -> int:
 
 
 def detect(env=None) -> Launch:
-    """The first launcher whose rank and size variables are both set."""
-    env = os.environ if env is None else env
+    """The first launcher whose rank and size variables are both set
+    (``env``: the variables, by default those settings.py reads)."""
+    env = settings.launcher_env() if env is None else env
     for source, rank, size, local, local_size in _SOURCES:
         if rank in env and size in env:
             found = Launch(source, _int(env, rank, source), _int(env, size, source),

@@ -22,7 +22,7 @@ import threading
 import time
 from urllib.parse import urlparse, unquote
 
-from shmdist import settings
+from shmdist import errors, settings
 from shmdist.errors import DistError, DistTimeoutError
 
 SECRET_ENV = "SHMDIST_SECRET"
@@ -83,12 +83,12 @@ def job_identity() -> str:
     """The job this process belongs to, if its launcher said: SHMDIST_JOB_ID
     (shmdist-run sets it), else torchrun's TORCHELASTIC_RUN_ID, else Slurm's
     job and step ids; "" if none."""
-    for name in (JOB_ENV, "TORCHELASTIC_RUN_ID"):
-        value = settings.get(name) if name == JOB_ENV else os.environ.get(name, "")
+    for value in (settings.get(JOB_ENV), settings.launcher("TORCHELASTIC_RUN_ID")):
         if value and value != "none":
             return value[:MAX_JOB_ID]
-    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID"):   # srun: one job step
-        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"[:MAX_JOB_ID]
+    job, step = settings.launcher("SLURM_JOB_ID"), settings.launcher("SLURM_STEP_ID")
+    if job and step:   # srun: one job step
+        return f"slurm-{job}.{step}"[:MAX_JOB_ID]
     return ""
 
 
@@ -947,7 +947,8 @@ class WatchedStore:
             if not pid_alive(pid):
                 from shmdist.errors import DistPeerError
                 try:        # it may have left over another rank's death, and said so
-                    cause = self.store.get(f"failed/{r}", 0.0).decode(errors="replace")
+                    with errors.expected():
+                        cause = self.store.get(f"failed/{r}", 0.0).decode(errors="replace")
                 except DistError:
                     cause = ""
                 if cause:
@@ -966,7 +967,8 @@ class WatchedStore:
         if not self.owned:
             return ""
         try:
-            return self.store.get(self.DEPARTED, 0.0).decode(errors="replace").rstrip(";")
+            with errors.expected():
+                return self.store.get(self.DEPARTED, 0.0).decode(errors="replace").rstrip(";")
         except DistError:
             return ""
 
@@ -982,7 +984,8 @@ class WatchedStore:
         deadline = time.monotonic() + total
         while True:
             try:
-                return call(min(self.SLICE, max(0.01, deadline - time.monotonic())))
+                with errors.expected():     # a slice's timeout is no error of the job's (flight recorder)
+                    return call(min(self.SLICE, max(0.01, deadline - time.monotonic())))
             except DistTimeoutError:
                 for r, pid in self.peers.items():
                     if not pid_alive(pid):

@@ -26,6 +26,7 @@ import numpy as np
 from shmdist import _core, settings, trace
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
 from shmdist.layout import DONE, HEADER as HDR, MAGIC, MAX_DIMS, VERSION   # the record header (layout.py)
+from shmdist.request import DistributedRequest
 from shmdist.tensors import as_buf, describe
 
 LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
@@ -111,10 +112,9 @@ class Engine:
             self.transport_of.update(dict.fromkeys(t.out, t))
         self.chan_out = chan_out          # global rank -> channel we produce into
         self.chan_in = list(chan_in.items())   # (global rank, channel we consume)
-        self.sendq: dict[int, deque] = {}
-        self.posted: list[_Recv] = []
-        self.rx: dict[int, _Incoming | None] = {src: None for src, _ in self.chan_in}
-        self.unexpected: list[_Incoming] = []
+        # sendq {dst: deque of _Send}, posted [_Recv], rx {src: _Incoming or None}, unexpected
+        # [_Incoming]: one object, shared with the fast lane, emptied in place, never replaced
+        self.queues = _core.Queues([src for src, _ in self.chan_in])
         self.lock = threading.RLock()
         self.dead: dict[int, str] = {}    # peer -> why it is gone
         self.causes: dict[int, str] = {}  # peer that left -> the failure it left over
@@ -133,7 +133,8 @@ class Engine:
         total = _core.record_bytes(buf.nbytes)
         req._peers = (dst,)
         with self.lock:
-            q = self.sendq.get(dst)
+            sendq = self.queues.sendq
+            q = sendq.get(dst)
             pos = 0
             if not q:       # nothing queued before it: write what fits now
                 pos = chan.push(header, buf.addr, buf.nbytes, 0)
@@ -145,7 +146,7 @@ class Engine:
             if q:
                 q.append(op)
             else:
-                self.sendq[dst] = deque([op])
+                sendq[dst] = deque([op])
 
     def recv(self, req, buf, src: int | None, gid: int, tag: int, members) -> None:
         r = _Recv()
@@ -155,7 +156,7 @@ class Engine:
         with self.lock:
             if self.lane.pending is not None:
                 self.lane.settle()      # posted before this one: it matches first
-            for inc in self.unexpected:
+            for inc in self.queues.unexpected:
                 if inc.claimed is None and inc.matches(r):
                     if self._fits(r, inc):
                         if inc.done:
@@ -163,7 +164,7 @@ class Engine:
                         else:
                             inc.claimed = r
                     return
-            self.posted.append(r)
+            self.queues.posted.append(r)
             self.progress(drain=False)   # the caller may be about to post the receives for what follows
 
     def post_recv(self, req, arr, src: int, tag: int) -> None:
@@ -173,7 +174,30 @@ class Engine:
         r.req, r.src, r.gid, r.tag = req, src, 0, tag
         r.buf = as_buf(arr, writable=True, who=f"rank {self.rank}: recv")
         r.dtype16 = dtype_field(r.buf.dtype)
-        self.posted.append(r)
+        self.queues.posted.append(r)
+
+    def exchange(self, what: str, sends: list, recvs: list, gid: int, members, timeout: float) -> None:
+        """One point-to-point step of a collective (hier.py's between nodes,
+        the uneven all_to_all and reduce_scatter): post every receive of
+        ``recvs`` [(buf, src)], then every send of ``sends`` [(buf, dst)], on
+        group id ``gid`` (COLLECTIVE_GID | the group's: no user message
+        matches them) and tag 0, and wait for them all. A request that fails
+        raises its error with ``peers``, the ranks it waited on, set on it."""
+        reqs = []
+        for buf, src in recvs:
+            req = DistributedRequest(self, f"{what}: receive from rank {src}")
+            self.recv(req, buf, src, gid, 0, members)
+            reqs.append(req)
+        for buf, dst in sends:
+            req = DistributedRequest(self, f"{what}: send to rank {dst}")
+            self.send(req, buf, dst, gid, 0)
+            reqs.append(req)
+        for req in reqs:
+            try:
+                req.wait(timeout)
+            except DistError as e:
+                e.peers = req._peers or ()
+                raise
 
     # ------------------------------------------------------------ progress
 
@@ -203,14 +227,16 @@ class Engine:
         were the blocking-send "slow mode": ~1.5 GB/s at 1 MiB). A sender
         held up by such a record is served by the next progress pass."""
         held = None
+        queues = self.queues
+        rx, posted, sendq = queues.rx, queues.posted, queues.sendq
         if self.lane.pending is not None:
-            if self.posted or self.unexpected or any(inc is not None for inc in self.rx.values()):
+            if posted or queues.unexpected or any(inc is not None for inc in rx.values()):
                 self.lane.settle()
             else:
                 held = self.lane.progress_pending()
-        if self.sendq:
-            for dst in list(self.sendq):
-                q = self.sendq[dst]
+        if sendq:
+            for dst in list(sendq):
+                q = sendq[dst]
                 while q:
                     op = q[0]
                     op.pos = op.chan.push(op.header, op.buf.addr, op.buf.nbytes, op.pos)
@@ -219,9 +245,7 @@ class Engine:
                     q.popleft()
                     op.req._complete()
                 if not q:
-                    del self.sendq[dst]
-        rx = self.rx
-        posted = self.posted
+                    del sendq[dst]
         for src, chan in self.chan_in:
             if held is not None and src in held:
                 continue        # a pending fast receive's ring: the lane takes its records
@@ -251,7 +275,7 @@ class Engine:
 
     def _next_posted(self, src: int) -> _Recv | None:
         """The receive the next record from ``src`` goes to if its tag and group fit."""
-        for r in self.posted:
+        for r in self.queues.posted:
             if r.src is None or r.src == src:
                 return r
         return None
@@ -269,10 +293,11 @@ class Engine:
         inc.pos, inc.total = 0, _core.record_bytes(nbytes)
         inc.done, inc.claimed, inc.target, inc.data = False, None, None, None
         i = 0
-        while i < len(self.posted):
-            r = self.posted[i]
+        posted = self.queues.posted
+        while i < len(posted):
+            r = posted[i]
             if inc.matches(r):
-                del self.posted[i]
+                del posted[i]
                 if self._fits(r, inc):
                     inc.target = r
                     inc.addr = r.buf.addr
@@ -283,7 +308,7 @@ class Engine:
             return None
         inc.data = np.empty(nbytes, dtype=np.uint8)
         inc.addr = inc.data.ctypes.data if nbytes else 0
-        self.unexpected.append(inc)
+        self.queues.unexpected.append(inc)
         return inc
 
     def _fits(self, r: _Recv, inc: _Incoming) -> bool:
@@ -309,7 +334,7 @@ class Engine:
         return False
 
     def _deliver(self, r: _Recv, inc: _Incoming) -> None:
-        self.unexpected.remove(inc)
+        self.queues.unexpected.remove(inc)
         if inc.nbytes:
             _core.copy(r.buf.addr, inc.addr, inc.nbytes)
         self._complete_recv(r, inc.src)
@@ -398,7 +423,7 @@ class Engine:
     def partly_sent(self) -> set:
         """The peers a record went out to only in part (their channel is mid-record)."""
         with self.lock:
-            return {dst for dst, q in self.sendq.items() if q and 0 < q[0].pos < q[0].total}
+            return {dst for dst, q in self.queues.sendq.items() if q and 0 < q[0].pos < q[0].total}
 
     def _check_peers(self, req) -> None:
         peers = [p for p in req._peers if p is not None]
@@ -437,26 +462,27 @@ class Engine:
         (or, with ``force``, because its peer is gone). True if withdrawn."""
         if self.lane.holds(req):
             self.lane.settle()      # a pending fast receive: withdrawn from the engine's list below
-        for i, r in enumerate(self.posted):
+        queues = self.queues
+        for i, r in enumerate(queues.posted):
             if r.req is req:
-                del self.posted[i]
+                del queues.posted[i]
                 return True
-        for inc in self.unexpected:
+        for inc in queues.unexpected:
             if inc.claimed is not None and inc.claimed.req is req:
                 inc.claimed = None      # it drains into its own buffer: the next receive gets it
                 return True
-        for src, inc in self.rx.items():
+        for src, inc in queues.rx.items():
             if inc is not None and inc.target is not None and inc.target.req is req:
                 if force:
-                    self.rx[src] = None
+                    queues.rx[src] = None
                 return force
-        for dst, q in self.sendq.items():
+        for dst, q in queues.sendq.items():
             for i, op in enumerate(q):
                 if op.req is req:
                     if op.pos == 0 or force:
                         del q[i]
                         if not q:
-                            del self.sendq[dst]
+                            del queues.sendq[dst]
                         return True
                     return False
         return False
@@ -472,8 +498,9 @@ class Engine:
         with self.lock:
             if self.lane.pending is not None:
                 self.lane.settle()
-            gone = [r for r in self.posted if r.gid in gids]
-            self.posted = [r for r in self.posted if r.gid not in gids]
+            posted = self.queues.posted
+            gone = [r for r in posted if r.gid in gids]
+            posted[:] = [r for r in posted if r.gid not in gids]     # in place: the lane reads this list
         for r in gone:
             r.req._complete(DistError(f"rank {self.rank}: {r.req.op}: {why} before it completed; it "
                                       "never will"))
@@ -497,12 +524,14 @@ class Engine:
         is unmapped next."""
         with self.lock:
             self.closed = True
-            reqs = self.lane.pending_requests() + [r.req for r in self.posted]
-            reqs += [op.req for q in self.sendq.values() for op in q]
-            reqs += [inc.target.req for inc in self.rx.values() if inc is not None and inc.target is not None]
-            reqs += [inc.claimed.req for inc in self.unexpected if inc.claimed is not None]
+            q = self.queues
+            reqs = self.lane.pending_requests() + [r.req for r in q.posted]
+            reqs += [op.req for sends in q.sendq.values() for op in sends]
+            reqs += [inc.target.req for inc in q.rx.values() if inc is not None and inc.target is not None]
+            reqs += [inc.claimed.req for inc in q.unexpected if inc.claimed is not None]
             self.lane.pending = None
-            self.posted, self.sendq = [], {}
+            q.posted.clear()        # in place: the lane reads these very objects
+            q.sendq.clear()
         for req in reqs:
             if req is not None and not req._done:
                 req._complete(self._destroyed(req))
