@@ -157,7 +157,7 @@ def test_collectives_with_the_mpi_engine_under_mpiexec(which, tmp_path):
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
     assert [g["rank"] for g in got] == [0, 1, 2, 3]
     assert {g["chosen"] for g in got} == {"mpi"}
-    assert [g["carried"]["bytes"] > 0 for g in got] == [True, False, True, False]
+    assert all(g["carried"]["bytes"] > 0 for g in got)    # every lane: leaders, and rank to rank i of the other host
     assert_all_good(got)
 
 

@@ -4,30 +4,33 @@ transport.
 
 hier.py moves every message of a collective through ``HierComm._exchange``
 (a list of sends and receives, each a buffer and a peer). An inter-host
-engine takes from those lists the messages between this node's leader and
-another node's leader, carries them itself, and leaves the rest (inside a
-node: shared memory; to a non-leader on another host: the TCP transport)
-to the point-to-point engine. So an engine is one more carrier of the
-same messages, not another copy of the collective algorithms: the same
-check, the same reductions in the same order, the same bytes.
+engine takes from those lists the messages between this rank and the
+members of its lane on other hosts, carries them itself, and leaves the
+rest (inside a node: shared memory; to other ranks on another host: the
+TCP transport) to the point-to-point engine. Lane i is local rank i of
+every node: lane 0 is the leaders, and a sharded all_reduce (hier.py)
+moves share i in lane i, with the engine's all_gather. So an engine is one
+more carrier of the same messages, not another copy of the collective
+algorithms: the same check, the same reductions in the same order, the
+same bytes.
 
 Choosing (``SHMDIST_INTER``):
 
 - ``mpi``  mpi4py, when the job runs under an MPI launcher and every
   rank's number is its MPI_COMM_WORLD rank;
-- ``gloo`` a torch gloo process group, created lazily on the job's store
-  among only the leaders of the group, on the address through which the
-  host reaches the rendezvous master (so host names need not resolve);
+- ``gloo`` a torch gloo process group per lane, created when the group is
+  made (every member is there then) on the job's store among only the
+  lane's members, on the address through which the host reaches the
+  rendezvous master (so host names need not resolve);
 - ``tcp``  the point-to-point engine (our TCP transport), needs nothing.
 
 Unset, or ``auto``: ``mpi`` under an MPI launcher with an mpi4py built for
-that MPI, else ``tcp``. Not ``gloo`` by default: as built here (gloo's
-send/recv for each exchange of the leaders) it measured slower than our
-TCP leg (bench/hosts_bench.py; gloo's unbound send/recv pays ~4 ms per
-exchange when the two leaders do not arrive together), so it is opt-in. The choice is logged
-(logger "shmdist", INFO) and ``chosen()`` returns it. All leaders must
-choose alike; they compare their choices through the store when the
-engine is made and raise DistMismatchError naming the ranks that differ.
+that MPI, else ``gloo`` when torch is importable and the backend is "shm",
+else ``tcp``. The choice is logged (logger "shmdist", INFO) and
+``chosen()`` returns it. All members of a lane must choose alike; they
+compare their choices through the store when the engine is made and raise
+DistMismatchError naming the ranks that differ. An MPI engine that lost a
+host aborts the MPI job at exit (``_mpi_lost``).
 
 Messages between a pair of leaders are numbered per direction; the n-th
 message from A to B carries tag n on both ends (both ends run the same
