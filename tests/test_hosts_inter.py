@@ -72,6 +72,9 @@ def test_auto_engine_is_gloo_with_torch_outside_mpi(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     assert inter.choose() == ("gloo" if HAVE_TORCH else "tcp")
     assert inter.choose("tcp") == "tcp"
+    monkeypatch.setenv("SHMDIST_TRANSPORT", "tcp")
+    assert inter.choose() == "tcp"
+    monkeypatch.delenv("SHMDIST_TRANSPORT")
     monkeypatch.setattr(inter, "_importable", lambda name: False)
     assert inter.choose() == "tcp"
     monkeypatch.undo()

@@ -78,12 +78,14 @@ def _under_mpi() -> bool:
 
 def choose(backend: str = "shm") -> str:
     """SHMDIST_INTER, or for auto: mpi under an MPI launcher with a usable
-    mpi4py, else gloo when torch is importable and the backend is "shm",
-    else tcp."""
+    mpi4py, else gloo when torch is importable and the backend is "shm"
+    (and SHMDIST_TRANSPORT is not tcp), else tcp."""
     want = settings.get(ENV)
     if want not in CHOICES:
         raise DistError(f"{ENV}={want!r}: expected one of {', '.join(CHOICES)}")
     if want == "auto":
+        if settings.get("SHMDIST_TRANSPORT") == "tcp":   # "TCP everywhere" (README), between hosts too
+            return "tcp"
         if _under_mpi() and _importable("mpi4py") and not _mpi_unusable:
             want = "mpi"
         elif backend == "shm" and _importable("torch"):
