@@ -28,7 +28,7 @@ if "--until-cut" in sys.argv:            # all_reduce until a host's link goes d
     import time
     folder = sys.argv[sys.argv.index("--until-cut") + 1]
     import faulthandler
-    faulthandler.dump_traceback_later(60, exit=False)   # where a rank waits, should the job not end
+    faulthandler.dump_traceback_later(float(os.environ.get("DUMP_AFTER", "60")), exit=False)   # where a rank waits, should the job not end
     dist.init_process_group(timeout=20)
     t = np.ones(1 << 18, dtype=np.float32)
     dist.all_reduce(t)
@@ -36,8 +36,11 @@ if "--until-cut" in sys.argv:            # all_reduce until a host's link goes d
     start = time.monotonic()
     error = None
     try:
-        for _ in range(100000):
+        for i in range(100000):
             dist.all_reduce(t)
+            if os.environ.get("COUNT_CALLS"):
+                with open(os.path.join(folder, f"count{launch.rank}"), "w") as f:
+                    f.write(f"{i} {time.monotonic() - start:.2f}")
             time.sleep(0.01)
     except dist.DistError as e:
         error = f"{type(e).__name__}: {e}"
