@@ -254,7 +254,7 @@ def all_reduce(comm, alloc: Alloc, offset: int, buf, arr: np.ndarray, op: Reduce
 
 def broadcast(comm, alloc: Alloc, offset: int, buf, root: int, timeout: float) -> None:
     """broadcast from the root's region straight into each member's. Under ``comm.lock``."""
-    what = lambda: f"broadcast(src={comm.group.ranks[root]}, {buf.describe()}, in shmdist.empty memory)"
+    what = lambda: f"broadcast(src={comm.ranks[root]}, {buf.describe()}, in shmdist.empty memory)"
     comm._first_pass(what, ("broadcast", buf.nbytes, 0, root, buf.dtype, alloc.extra(offset)), timeout)
     if comm.me != root:
         _core.copy(buf.addr, alloc.first + root * alloc.stride + offset, buf.nbytes)
