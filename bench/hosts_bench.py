@@ -7,7 +7,8 @@ rounds interleave the configurations, so drift on a shared machine hits
 them alike:
 
 - all_reduce of 1 MiB and 16 MiB float32 through shmdist (shared memory
-  inside each host; between hosts on gloo, or on our TCP transport)
+  inside each host; between hosts on gloo, MPI or our TCP transport; a
+  config ``shm/tcp/0`` sets SHMDIST_SHARD_BYTES=0: the leader carries all)
   against plain torch gloo across all 4 ranks;
 - one-way latency of an 8-byte message between hosts (rank 0 <-> rank 2,
   half a round trip): shmdist's TCP transport against gloo's send/recv.
@@ -76,7 +77,12 @@ def one_config(rank, world_size, init_method, config, iters, lat_iters):
         tdist.destroy_process_group()
         return out
     import shmdist as dist
-    os.environ["SHMDIST_INTER"] = config.split("/")[1]
+    parts = config.split("/")          # shm/<engine>[/<SHMDIST_SHARD_BYTES>]
+    os.environ["SHMDIST_INTER"] = parts[1]
+    if len(parts) > 2 and parts[2]:
+        os.environ["SHMDIST_SHARD_BYTES"] = parts[2]
+    if len(parts) > 3:                  # shm/<engine>/<shard bytes>/<SHMDIST_ARENA_BYTES>
+        os.environ["SHMDIST_ARENA_BYTES"] = parts[3]
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=120)
     for n in SIZES:
         a = np.ones(n // 4, dtype=np.float32)
@@ -106,14 +112,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--lat-iters", type=int, default=300)
     parser.add_argument("--rate", default="10gbit")
-    parser.add_argument("--configs", default="shm/gloo,shm/tcp,gloo")
+    parser.add_argument("--configs", default="shm/gloo,shm/tcp,shm/tcp/0,gloo")
     parser.add_argument("--json")
     args = parser.parse_args()
     why = hosts.unavailable()
     if why:
         sys.exit(why)
     configs = args.configs.split(",")
-    for var in ("SHMDIST_HOST_ID", "SHMDIST_TCP_ADDR", "SHMDIST_INTER"):
+    for var in ("SHMDIST_HOST_ID", "SHMDIST_TCP_ADDR", "SHMDIST_INTER", "SHMDIST_SHARD_BYTES",
+                "SHMDIST_ARENA_BYTES"):
         os.environ.pop(var, None)
     results: dict = {c: {} for c in configs}
     with hosts.PretendHosts(2) as h:

@@ -119,8 +119,49 @@ class PretendHosts:
             self.in_host(i, ["ip", "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0"], "an address")
             self.in_host(i, ["ip", "link", "set", "eth0", "up"], "bringing eth0 up")
 
+    def namespaces(self) -> set[str]:
+        """The network namespaces of our keepers (as /proc/PID/ns/net reads)."""
+        found = set()
+        for p in [*self.keepers, self.switch]:
+            if p is not None and p.poll() is None:
+                try:
+                    found.add(os.readlink(f"/proc/{p.pid}/ns/net"))
+                except OSError:
+                    pass
+        return found
+
+    def leftovers(self) -> list[int]:
+        """Pids of the processes inside our namespaces other than the keepers
+        (ranks, nsenter'd commands, an mpiexec's proxies): everything there
+        was started by us, since nothing else can enter them."""
+        ours = self.namespaces()
+        keepers = {p.pid for p in [*self.keepers, self.switch] if p is not None}
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in keepers or int(entry) == os.getpid():
+                continue
+            try:
+                if os.readlink(f"/proc/{entry}/ns/net") in ours:
+                    found.append(int(entry))
+            except OSError:
+                pass
+        return found
+
     def close(self) -> None:
-        """End every keeper (by pid): the namespaces, veths and bridge go with them."""
+        """End what is left inside the hosts (by pid), then every keeper (by
+        pid): the namespaces, veths and bridge go with them, a failed test or not."""
+        for _ in range(3):
+            left = self.leftovers()
+            if not left:
+                break
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}/ns") for pid in left):
+                time.sleep(0.02)
         for p in [*self.keepers, self.switch]:
             if p is not None and p.poll() is None:
                 p.kill()
@@ -155,6 +196,33 @@ class PretendHosts:
         for i in range(self.n):
             self.in_host(i, ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
                              "burst", "4mb", "latency", "50ms"], "limiting a link")
+
+
+    def mpiexec(self, mpiexec: str, n: int, ppn: int, folder: str) -> list:
+        """MPICH's (Hydra's) mpiexec, started inside host 0, starting its
+        proxies on the hosts by their addresses: ``-bootstrap ssh`` with
+        ``-bootstrap-exec`` a script that, called as ssh would be
+        (``[-x] HOST COMMAND``), runs COMMAND inside that host's namespaces
+        (nsenter) instead of logging in. The proxies call back to mpiexec on
+        host 0's address, the ranks find each other on eth0, and MPICH tells
+        hosts apart by their host names, as on real hosts. Append the program."""
+        script = os.path.join(folder, "nsexec.sh")
+        cases = "\n".join(f"  {a}|{name}) pid={pid} ;;" for a, name, pid in
+                           zip(self.addresses, self.hostnames, self.pids))
+        with open(script, "w") as f:
+            f.write(f"""#!/bin/sh
+# ssh as Hydra calls it ([options] HOST COMMAND...), into a pretend host instead (tests/hosts.py)
+while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
+host=$1; shift
+case "$host" in
+{cases}
+  *) echo "nsexec.sh: not a pretend host: $host" >&2; exit 1 ;;
+esac
+exec nsenter -t "$pid" -n -m -u -- sh -c "$*"
+""")
+        os.chmod(script, 0o755)
+        return self.command(0, [mpiexec, "-hosts", ",".join(self.addresses[:-(-n // ppn)]), "-ppn", str(ppn),
+                                "-n", str(n), "-bootstrap", "ssh", "-bootstrap-exec", script])
 
 
 def enter(keeper_pid: int) -> None:

@@ -24,7 +24,7 @@ from hosts import in_host, master_url
 WHY = hosts.unavailable()
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 ENGINES = ["tcp", pytest.param("gloo", marks=pytest.mark.skipif(not HAVE_TORCH, reason="gloo needs torch"))]
-COUNTS = (4099, 6001)            # elements; neither divisible by 2 or 3 ranks per host
+COUNTS = (4099, 6001, 6000)      # elements: divisible by neither 2 nor 3 ranks per host, then by both
 CASES = [(dtype, op) for dtype in ("float32", "float64", "int64", "float16")
          for op in ("SUM", "AVG", "MAX", "PRODUCT") if not (dtype == "int64" and op == "AVG")]
 

@@ -302,9 +302,14 @@ class HierComm:
             reduce_into(out, [mine if p == self.rank else got[p] for p in self.lane], op, wdtype, self.n)
             np.copyto(mine, out)
         with self._step(what):
-            for j, (s, ln) in enumerate(shares):
-                if ln:
-                    self.comm.broadcast(_array_buf(flat[s:s + ln], wdtype), j, timeout)
+            if len({ln for _, ln in shares}) == 1:     # equal shares: one all_gather, one set of phases
+                isz = flat.itemsize
+                self.comm.all_gather([flat.ctypes.data + s * isz for s, _ in shares],
+                                     _array_buf(mine, wdtype), -1, timeout)
+            else:
+                for j, (s, ln) in enumerate(shares):
+                    if ln:
+                        self.comm.broadcast(_array_buf(flat[s:s + ln], wdtype), j, timeout)
         if half:
             _from_f32(work, arr, buf.dtype)
 

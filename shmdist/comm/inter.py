@@ -4,30 +4,33 @@ transport.
 
 hier.py moves every message of a collective through ``HierComm._exchange``
 (a list of sends and receives, each a buffer and a peer). An inter-host
-engine takes from those lists the messages between this node's leader and
-another node's leader, carries them itself, and leaves the rest (inside a
-node: shared memory; to a non-leader on another host: the TCP transport)
-to the point-to-point engine. So an engine is one more carrier of the
-same messages, not another copy of the collective algorithms: the same
-check, the same reductions in the same order, the same bytes.
+engine takes from those lists the messages between this rank and the
+members of its lane on other hosts, carries them itself, and leaves the
+rest (inside a node: shared memory; to other ranks on another host: the
+TCP transport) to the point-to-point engine. Lane i is local rank i of
+every node: lane 0 is the leaders, and a sharded all_reduce (hier.py)
+moves share i in lane i, with the engine's all_gather. So an engine is one
+more carrier of the same messages, not another copy of the collective
+algorithms: the same check, the same reductions in the same order, the
+same bytes.
 
 Choosing (``SHMDIST_INTER``):
 
 - ``mpi``  mpi4py, when the job runs under an MPI launcher and every
   rank's number is its MPI_COMM_WORLD rank;
-- ``gloo`` a torch gloo process group, created lazily on the job's store
-  among only the leaders of the group, on the address through which the
-  host reaches the rendezvous master (so host names need not resolve);
+- ``gloo`` a torch gloo process group per lane, created when the group is
+  made (every member is there then) on the job's store among only the
+  lane's members, on the address through which the host reaches the
+  rendezvous master (so host names need not resolve);
 - ``tcp``  the point-to-point engine (our TCP transport), needs nothing.
 
 Unset, or ``auto``: ``mpi`` under an MPI launcher with an mpi4py built for
-that MPI, else ``tcp``. Not ``gloo`` by default: as built here (gloo's
-send/recv for each exchange of the leaders) it measured slower than our
-TCP leg (bench/hosts_bench.py; gloo's unbound send/recv pays ~4 ms per
-exchange when the two leaders do not arrive together), so it is opt-in. The choice is logged
-(logger "shmdist", INFO) and ``chosen()`` returns it. All leaders must
-choose alike; they compare their choices through the store when the
-engine is made and raise DistMismatchError naming the ranks that differ.
+that MPI, else ``gloo`` when torch is importable and the backend is "shm",
+else ``tcp``. The choice is logged (logger "shmdist", INFO) and
+``chosen()`` returns it. All members of a lane must choose alike; they
+compare their choices through the store when the engine is made and raise
+DistMismatchError naming the ranks that differ. An MPI engine that lost a
+host aborts the MPI job at exit (``_mpi_lost``).
 
 Messages between a pair of leaders are numbered per direction; the n-th
 message from A to B carries tag n on both ends (both ends run the same
@@ -75,12 +78,14 @@ def _under_mpi() -> bool:
 
 def choose(backend: str = "shm") -> str:
     """SHMDIST_INTER, or for auto: mpi under an MPI launcher with a usable
-    mpi4py, else gloo when torch is importable and the backend is "shm",
-    else tcp."""
+    mpi4py, else gloo when torch is importable and the backend is "shm"
+    (and SHMDIST_TRANSPORT is not tcp), else tcp."""
     want = settings.get(ENV)
     if want not in CHOICES:
         raise DistError(f"{ENV}={want!r}: expected one of {', '.join(CHOICES)}")
     if want == "auto":
+        if settings.get("SHMDIST_TRANSPORT") == "tcp":   # "TCP everywhere" (README), between hosts too
+            return "tcp"
         if _under_mpi() and _importable("mpi4py") and not _mpi_unusable:
             want = "mpi"
         elif backend == "shm" and _importable("torch"):
@@ -303,6 +308,8 @@ class _Inter:
         why = (f"all_gather with rank(s) {others} on {', '.join(self.host_of(p) for p in others)} over "
                f"{self.kind}: {type(e).__name__}: {e}")
         self.broken = why
+        if self.kind == "mpi":
+            _mpi_lost(why)
         cls = DistTimeoutError if timed_out else DistPeerError
         return cls(f"rank {self.rank}: {what}: {why}; one of those hosts is unreachable or its ranks died")
 
@@ -316,6 +323,8 @@ class _Inter:
     def _failed(self, what: str, peer: int, role: str, e: BaseException, timed_out: bool) -> DistError:
         why = f"{role} with rank {peer} on {self.host_of(peer)} over {self.kind}: {type(e).__name__}: {e}"
         self.broken = why
+        if self.kind == "mpi":
+            _mpi_lost(why)
         cls = DistTimeoutError if timed_out else DistPeerError
         return cls(f"rank {self.rank}: {what}: {why}; that host is unreachable or its ranks died")
 
@@ -454,6 +463,31 @@ class MpiInter(_Inter):
                 comm.Free()
             except Exception:   # noqa: BLE001
                 pass
+
+
+_lost: list = []
+
+
+def _mpi_lost(why: str) -> None:
+    """The MPI engine gave up on a peer. MPI cannot drop a process from a
+    job: MPI_Finalize (mpi4py's, at exit) would wait for the lost one
+    forever, and so would the launcher. So at exit this process calls
+    MPI_Abort instead, which ends the whole job, as MPI's default error
+    handler would have at the failure itself; the DistError was raised
+    first, so the program could report it."""
+    if not _lost:
+        import atexit
+        atexit.register(_abort_at_exit)   # runs before mpi4py's MPI_Finalize (registered earlier)
+    _lost.append(why)
+
+
+def _abort_at_exit() -> None:
+    from mpi4py import MPI
+    log.error("inter-host engine mpi lost a host (%s): MPI_Abort, as MPI_Finalize would wait forever", _lost[0])
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
 
 
 class _TorchStore:
