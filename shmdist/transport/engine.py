@@ -455,6 +455,8 @@ class Engine:
             cancelled = self._cancel(req, force=False)
         peers = [p for p in req._peers if p is not None]
         who = f" with rank {peers[0]}" if len(peers) == 1 else (" with any rank" if peers else "")
+        if (len(peers) == 1 and f"rank {peers[0]}" in req.op) or (len(peers) > 1 and "any rank" in req.op):
+            who = ""    # the operation names its peer already ("recv from rank 1")
         self.note_timeout(f"{req.op}{who}")
         fate = ("it was cancelled" if cancelled else
                 "part of the message already moved, so it stays pending: wait() again to finish it")
