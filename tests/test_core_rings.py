@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shmdist import _core, layout
-from shmdist.comm import arena as collectives
+from shmdist.comm import arena
 from shmdist.transport.engine import dtype_field, make_header
 from shmdist.reduce_ops import ReduceOp
 from shmdist.tensors import as_buf
@@ -248,8 +248,8 @@ class Arena:
         bell = lambda i: self.bells.ctypes.data + i * layout.CTL_BYTES
         self.ph = [_core.Phaser(self.flags.ctypes.data, layout.SLOT_STRIDE, n, i,
                                 np.array([bell(j) for j in range(n) if j != i], dtype=np.uint64), bell(i),
-                                _core.Backoff(spin, 0), threading.Lock(), collectives._BARRIER,
-                                self.bufs.ctypes.data, slot, collectives._PHASER_KINDS,
+                                _core.Backoff(spin, 0), threading.Lock(), arena._BARRIER,
+                                self.bufs.ctypes.data, slot, arena._PHASER_KINDS,
                                 layout.KINDS.index("all_reduce"))
                    for i in range(n)]
 

@@ -97,6 +97,7 @@ def test_wait_timeout_raises_and_the_group_keeps_working(run_ranks):
     assert is_timeout_error and is_dist_error
     assert 0.8 <= elapsed <= 5, f"wait(timeout=1) raised after {elapsed:.2f} s"
     assert "rank 0: recv from rank 1" in message and "Timed out after 1 s" in message
+    assert "with rank 1" not in message, message   # the peer is named once
     assert after == 42, "a receive posted after the timeout must get the next message"
 
 

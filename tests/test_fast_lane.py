@@ -229,14 +229,14 @@ def _contribution(rank: int, dtype: str, count: int) -> np.ndarray:
 
 
 def quick_all_reduce_cases(rank, world_size, init_method, use_torch):
-    from shmdist.comm import arena as collectives
-    real, took = collectives.GroupComm.quick_all_reduce, [0]
+    from shmdist.comm import arena
+    real, took = arena.GroupComm.quick_all_reduce, [0]
 
     def counting(self, *args):
         done = real(self, *args)
         took[0] += done
         return done
-    collectives.GroupComm.quick_all_reduce = counting
+    arena.GroupComm.quick_all_reduce = counting
     _init(rank, world_size, init_method)
     bad = []
     for dtype in ("float32", "float64", "int32", "int64"):
@@ -325,7 +325,7 @@ def large_all_reduce_cases(rank, world_size, init_method, small_rounds):
     """Large all_reduce and reduce, rounds in C, against numpy's bits. In
     every other case one rank runs its rounds in Python: the two must split
     the vector alike to give the same result."""
-    from shmdist.comm import arena as collectives
+    from shmdist.comm import arena
     if small_rounds:                  # many rounds, the last one short, on tiny buffers
         os.environ["SHMDIST_ARENA_BYTES"] = "16384"
         os.environ["SHMDIST_ROUND_BYTES"] = "8192"
@@ -334,12 +334,12 @@ def large_all_reduce_cases(rank, world_size, init_method, small_rounds):
     if rank == 0:
         os.environ.pop("SHMDIST_ROUND_BYTES", None)
     calls = [0]
-    real = collectives.GroupComm._all_reduce_rounds
+    real = arena.GroupComm._all_reduce_rounds
 
     def counting(self, *args):
         calls[0] += 1
         return real(self, *args)
-    collectives.GroupComm._all_reduce_rounds = counting
+    arena.GroupComm._all_reduce_rounds = counting
     _init(rank, world_size, init_method)
     bad, case = [], 0
     counts = (30011, 70001) if small_rounds else ((3 << 20) // 8 + 13,)

@@ -421,7 +421,7 @@ COLLECTIVES = {
 def dies_in_collective(rank, world_size, init_method, name, victim, at_phase, deathfile):
     """The victim dies just before it arrives at phase ``at_phase`` of the
     collective (0: right after the collective returned)."""
-    from shmdist.comm import arena as collectives
+    from shmdist.comm import arena
     from shmdist.api import fast
     _, _, root_dies = COLLECTIVES[name]
     root = victim if root_dies else 0
@@ -429,7 +429,7 @@ def dies_in_collective(rank, world_size, init_method, name, victim, at_phase, de
     dist.barrier()
     call, check = _collective(name, rank, world_size, root)
     if rank == victim:
-        real = collectives.GroupComm._pass
+        real = arena.GroupComm._pass
         passes = [0]
 
         def counting_pass(self, what, timeout, *desc):
@@ -437,12 +437,12 @@ def dies_in_collective(rank, world_size, init_method, name, victim, at_phase, de
             if passes[0] == at_phase:
                 _die(deathfile)
             return real(self, what, timeout, *desc)
-        collectives.GroupComm._pass = counting_pass
+        arena.GroupComm._pass = counting_pass
         # The victim takes the general path, whose phases the hook counts; the
         # survivors keep the one-call quick paths, whose waits end the same way.
-        collectives.GroupComm.quick_barrier = lambda self, timeout, how=None: False
+        arena.GroupComm.quick_barrier = lambda self, timeout, how=None: False
         fast.paths.barrier = None
-        collectives.GroupComm.quick_all_reduce = lambda self, arr, op, timeout: False
+        arena.GroupComm.quick_all_reduce = lambda self, arr, op, timeout: False
         fast.paths.c_rounds = False
         call()
         _die(deathfile)          # at_phase 0, or the call had fewer phases
@@ -527,7 +527,7 @@ RANK_SCRIPT = """
     import json, os, signal, sys, time
     import numpy as np
     import shmdist as dist
-    from shmdist.comm import arena as collectives
+    from shmdist.comm import arena
     from shmdist.api import fast
 
     out, mode = sys.argv[1], sys.argv[2]
@@ -537,13 +537,13 @@ RANK_SCRIPT = """
         json.dump({"pid": os.getpid(), "job": os.environ["SHMDIST_JOB_ID"]}, f)
     t = np.ones((16 << 20) // 4, dtype=np.float32)
     if mode == "kill" and rank == 1:
-        real, passes = collectives.GroupComm._pass, [0]
+        real, passes = arena.GroupComm._pass, [0]
         def counting_pass(self, what, timeout, *desc):
             passes[0] += 1
             if passes[0] == 4:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(self, what, timeout, *desc)
-        collectives.GroupComm._pass = counting_pass
+        arena.GroupComm._pass = counting_pass
         fast.paths.c_rounds = False     # rounds in Python, where the hook counts them
     dist.all_reduce(t)
     open(os.path.join(out, f"inside{rank}"), "w").close()

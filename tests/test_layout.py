@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shmdist import _core, layout
-from shmdist.comm import arena as collectives
+from shmdist.comm import arena
 from shmdist.transport.engine import HDR, dtype_field, make_header
 from shmdist.reduce_ops import ReduceOp
 from shmdist.tensors import as_buf
@@ -93,8 +93,8 @@ def test_phaser_descriptor_is_the_one_python_packs(dtype):
     bufs = np.zeros(2 * slot, dtype=np.uint8)
     bell = np.zeros(layout.CTL_BYTES, dtype=np.uint8)
     ph = _core.Phaser(ctl.ctypes.data, layout.SLOT_STRIDE, 1, 0, np.zeros(0, dtype=np.uint64),
-                      bell.ctypes.data, _core.Backoff(1000, 0), threading.Lock(), collectives._BARRIER,
-                      bufs.ctypes.data, slot, collectives._PHASER_KINDS, layout.KINDS.index("all_reduce"))
+                      bell.ctypes.data, _core.Backoff(1000, 0), threading.Lock(), arena._BARRIER,
+                      bufs.ctypes.data, slot, arena._PHASER_KINDS, layout.KINDS.index("all_reduce"))
     arr = np.arange(10, dtype=dtype)
     assert ph.all_reduce(arr, ReduceOp.SUM, slot) > 0
     at = ph.desc_at
@@ -102,5 +102,5 @@ def test_phaser_descriptor_is_the_one_python_packs(dtype):
         layout.pack_desc("all_reduce", arr.nbytes, int(ReduceOp.SUM), -1, dtype.encode(), 0)
     assert ph.barrier() > 0
     at = ph.desc_at
-    assert bytes(ctl[at:at + layout.DESC_BYTES]) == collectives._BARRIER
+    assert bytes(ctl[at:at + layout.DESC_BYTES]) == arena._BARRIER
     assert int.from_bytes(bytes(ctl[layout.SLOT_PHASE:layout.SLOT_PHASE + 8]), "little") == ph.phase == 2

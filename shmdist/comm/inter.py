@@ -308,6 +308,8 @@ class _Inter:
         why = (f"all_gather with rank(s) {others} on {', '.join(self.host_of(p) for p in others)} over "
                f"{self.kind}: {type(e).__name__}: {e}")
         self.broken = why
+        self.comm.engine.note_failed_over(f"rank(s) {others} on {', '.join(self.host_of(p) for p in others)} "
+                                          f"failed to answer over {self.kind}")
         if self.kind == "mpi":
             _mpi_lost(why)
         cls = DistTimeoutError if timed_out else DistPeerError
@@ -323,6 +325,8 @@ class _Inter:
     def _failed(self, what: str, peer: int, role: str, e: BaseException, timed_out: bool) -> DistError:
         why = f"{role} with rank {peer} on {self.host_of(peer)} over {self.kind}: {type(e).__name__}: {e}"
         self.broken = why
+        self.comm.engine.note_failed_over(f"rank {peer} on {self.host_of(peer)} failed in a {role} over "
+                                          f"{self.kind}")
         if self.kind == "mpi":
             _mpi_lost(why)
         cls = DistTimeoutError if timed_out else DistPeerError

@@ -119,6 +119,7 @@ class Engine:
         self.dead: dict[int, str] = {}    # peer -> why it is gone
         self.causes: dict[int, str] = {}  # peer that left -> the failure it left over
         self.timed_out = ""               # this rank's first timeout, as its peers should read it
+        self.failed_over = ""             # a failure seen on the engine between hosts (gloo, MPI)
         self.backoff = Backoff(oversubscribed)
         self.closed = False
         self.forked = ""                  # in a forked child: why the parent's engine is not its own
@@ -412,7 +413,14 @@ class Engine:
         for peer, why in self.dead.items():
             if peer not in self.causes and not why.startswith(LEFT):
                 return f"rank {peer} {why}"
-        return next(iter(self.causes.values()), self.timed_out)
+        return next(iter(self.causes.values()), self.failed_over or self.timed_out)
+
+    def note_failed_over(self, cause: str) -> None:
+        """Remember a failure seen on a leg this engine does not carry (the
+        gloo or MPI engine between hosts: "rank 2 on host b ...") as the
+        cause this rank's goodbye gives, when no peer of its own failed."""
+        if not self.failed_over:
+            self.failed_over = cause
 
     def note_timeout(self, what: str) -> None:
         """Remember this rank's first timeout (``what``: the operation and
@@ -447,6 +455,8 @@ class Engine:
             cancelled = self._cancel(req, force=False)
         peers = [p for p in req._peers if p is not None]
         who = f" with rank {peers[0]}" if len(peers) == 1 else (" with any rank" if peers else "")
+        if (len(peers) == 1 and f"rank {peers[0]}" in req.op) or (len(peers) > 1 and "any rank" in req.op):
+            who = ""    # the operation names its peer already ("recv from rank 1")
         self.note_timeout(f"{req.op}{who}")
         fate = ("it was cancelled" if cancelled else
                 "part of the message already moved, so it stays pending: wait() again to finish it")
