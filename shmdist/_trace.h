@@ -17,16 +17,29 @@
 #include <pthread.h>
 #include "_layout.h"
 
-static uint8_t *sd_tr_base = NULL;     /* NULL: recording off */
-static uint64_t sd_tr_mask = 0;
+/* The writer's state, in one cache line: the ring, its index mask, and
+ * private copies of the header's two counters (this process is the ring's
+ * only writer, and every write goes through these functions, GIL held), so
+ * that adding an entry loads nothing from the shared header, only stores. */
+static struct {
+    uint8_t *base;                     /* NULL: recording off */
+    uint64_t mask;
+    uint64_t written;                  /* = the header's SD_TR_H_WRITTEN */
+    uint64_t changes;                  /* = the header's SD_TR_H_CHANGES */
+} __attribute__((aligned(64))) sd_tr = {NULL, 0, 0, 0};
+#define sd_tr_base (sd_tr.base)
 
 #define SD_TR_U32(e, at) (*(uint32_t *)((e) + (at)))
 #define SD_TR_U64(e, at) (*(uint64_t *)((e) + (at)))
 #define SD_TR_I64(e, at) (*(int64_t *)((e) + (at)))
 
 static inline void sd_tr_attach(uint8_t *base, uint64_t capacity) {
-    sd_tr_base = base;
-    sd_tr_mask = capacity ? capacity - 1 : 0;
+    sd_tr.base = base;
+    sd_tr.mask = capacity ? capacity - 1 : 0;
+    if (base != NULL) {        /* a ring written before (reused across process groups) goes on */
+        sd_tr.written = __atomic_load_n((uint64_t *)(base + SD_TR_H_WRITTEN), __ATOMIC_ACQUIRE);
+        sd_tr.changes = __atomic_load_n((uint64_t *)(base + SD_TR_H_CHANGES), __ATOMIC_ACQUIRE);
+    }
 }
 
 static inline uint64_t sd_tr_now(void) {
@@ -36,11 +49,11 @@ static inline uint64_t sd_tr_now(void) {
 }
 
 static inline uint8_t *sd_tr_slot(uint64_t seq) {
-    return sd_tr_base + SD_TR_HEAD + ((seq - 1) & sd_tr_mask) * SD_TR_ENTRY;
+    return sd_tr_base + SD_TR_HEAD + ((seq - 1) & sd_tr.mask) * SD_TR_ENTRY;
 }
 
 static inline void sd_tr_changed(uint8_t *b) {
-    __atomic_store_n((uint64_t *)(b + SD_TR_H_CHANGES), SD_TR_U64(b, SD_TR_H_CHANGES) + 1, __ATOMIC_RELEASE);
+    __atomic_store_n((uint64_t *)(b + SD_TR_H_CHANGES), ++sd_tr.changes, __ATOMIC_RELEASE);
 }
 
 /* Record a new operation; returns its seq (0 when recording is off). */
@@ -50,7 +63,7 @@ static inline uint64_t sd_tr_post(uint32_t op, uint32_t state, int64_t gid, int6
     uint64_t seq, now;
     if (b == NULL)
         return 0;
-    seq = SD_TR_U64(b, SD_TR_H_WRITTEN) + 1;
+    seq = ++sd_tr.written;
     e = sd_tr_slot(seq);
     __atomic_store_n((uint64_t *)(e + SD_TR_E_SEQ), 0, __ATOMIC_RELEASE);   /* readers skip it meanwhile */
     now = sd_tr_now();
