@@ -84,9 +84,14 @@ def die_on_the_other_host(rank, world_size, init_method):
     return "no error", ""
 
 
-def test_a_rank_dying_on_another_host_is_named(run_ranks):
-    """The group timeout is 60 s and the test's 50 s: errors must come from the death."""
-    results = run_ranks(on_pretend_host, 4, "blocks", die_on_the_other_host, timeout=50, errors="return")
+@pytest.mark.parametrize("inter", ["tcp", "gloo"])
+def test_a_rank_dying_on_another_host_is_named(run_ranks, inter):
+    """The group timeout is 60 s and the test's 50 s: errors must come from the death, whichever
+    engine carries the leg between hosts (our TCP transport, or gloo: the automatic choice with torch)."""
+    if inter == "gloo":
+        pytest.importorskip("torch", reason="the gloo leg between hosts needs torch")
+    results = run_ranks(on_pretend_host, 4, "blocks", die_on_the_other_host, timeout=50, errors="return",
+                        env={"SHMDIST_INTER": inter})
     assert results[2].exitcode == 3
     for rank in (0, 3):     # host a's leader (waits on rank 2 over TCP) and rank 2's host mate
         kind, message = results[rank]

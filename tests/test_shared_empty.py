@@ -262,13 +262,18 @@ def lifetime(rank, world_size, init_method, folder):
     gc.collect()
     out["maps_after_many"] = _memfd_maps() - maps0
     out["registry_after_many"] = len(shared.live)
+    out["usage_after_many"] = dist.memory_usage()["empty_arrays"]
     view = dist.empty(BIG, np.float32)[10:20]             # a view alone keeps the memory
     view[:] = 3
     gc.collect()
     out["view_keeps"] = _memfd_maps() - maps0
+    usage = dist.memory_usage()
+    out["usage_with_view"] = usage["empty_arrays"], usage["total_mapped"] - usage["segment_bytes"] \
+        - usage["collective_arenas"]
     del view
     gc.collect()
     out["view_gone"] = _memfd_maps() - maps0
+    out["usage_view_gone"] = dist.memory_usage()["empty_arrays"]
     kept = dist.empty(BIG, np.float32)
     kept[:] = rank + 1
     dist.all_reduce(kept)
@@ -298,6 +303,10 @@ def test_memory_is_freed_with_the_last_array_and_use_after_destroy_is_clear(run_
     for out in run_ranks(lifetime, 2, str(tmp_path), timeout=180):
         assert out["maps_after_many"] == 0 and out["registry_after_many"] == 0
         assert out["view_keeps"] == 1 and out["view_gone"] == 0
+        # memory_usage counts the mapping (every member's region), in the total too, and lets it go
+        assert out["usage_after_many"] == 0 and out["usage_view_gone"] == 0
+        counted, in_total = out["usage_with_view"]
+        assert counted >= 2 * BIG * 4 and in_total == counted, out["usage_with_view"]
         assert out["readable_after_destroy"] == 3.0
         assert out["empty_after_destroy"].startswith("DistNotInitializedError")
         text = out["all_reduce_after_destroy"]

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from shmdist import settings
-from shmdist.comm import arena
+from shmdist.comm import arena, shared
 from shmdist.rendezvous import store as rendezvous
 from shmdist import trace   # the flight recorder: hook lines marked "trace:" below
 from shmdist.transport.engine import Engine
@@ -534,5 +534,6 @@ def memory_usage() -> dict:
     out = dict(w.host.memory()) if w.host is not None else {"segment_bytes": 0}
     arenas = sum(g.coll.arena_bytes() for g in w.groups if g.coll is not None)
     out["collective_arenas"] = arenas
-    out["total_mapped"] = out["segment_bytes"] + arenas
+    out["empty_arrays"] = shared.mapped_bytes()   # shmdist.empty's memory, all groups (and past worlds)
+    out["total_mapped"] = out["segment_bytes"] + arenas + out["empty_arrays"]
     return out

@@ -263,9 +263,7 @@ class _Inter:
         mine_r = [(b, p) for b, p in recvs if self.carries(p)]
         if not mine_s and not mine_r:
             return sends, recvs, None
-        if self.broken:
-            raise DistPeerError(f"rank {self.rank}: {what}: the {self.kind} engine between hosts failed "
-                                f"earlier ({self.broken})")
+        self._not_broken(what)
         if not self.ready:
             self._setup(what, timeout)
             self.ready = True
@@ -302,35 +300,39 @@ class _Inter:
         name = self.names.get(peer) or self.comm.host_names.get(peer, "?")
         return f"host {name} (ranks {members})"
 
-    def _gather_failed(self, what: str, e: BaseException, timed_out: bool) -> DistError:
-        """all_gather among the lane failed: name every other host of the lane."""
-        others = [p for p in self.leaders if p != self.rank]
-        why = (f"all_gather with rank(s) {others} on {', '.join(self.host_of(p) for p in others)} over "
-               f"{self.kind}: {type(e).__name__}: {e}")
-        self.broken = why
-        self.comm.engine.note_failed_over(f"rank(s) {others} on {', '.join(self.host_of(p) for p in others)} "
-                                          f"failed to answer over {self.kind}")
-        if self.kind == "mpi":
-            _mpi_lost(why)
-        cls = DistTimeoutError if timed_out else DistPeerError
-        return cls(f"rank {self.rank}: {what}: {why}; one of those hosts is unreachable or its ranks died")
-
-    def _start_gather(self, what: str):
+    def _not_broken(self, what: str) -> None:
         if self.broken:
             raise DistPeerError(f"rank {self.rank}: {what}: the {self.kind} engine between hosts failed "
                                 f"earlier ({self.broken})")
+
+    def _broke(self, what: str, why: str, lost: str, timed_out: bool, hint: str) -> DistError:
+        """The engine between hosts failed: later calls fail at once (``why``),
+        this rank's goodbye passes ``lost`` on, MPI aborts at exit; the error to raise."""
+        self.broken = why
+        self.comm.engine.note_failed_over(lost)
+        if self.kind == "mpi":
+            _mpi_lost(why)
+        cls = DistTimeoutError if timed_out else DistPeerError
+        return cls(f"rank {self.rank}: {what}: {why}; {hint}")
+
+    def _gather_failed(self, what: str, e: BaseException, timed_out: bool) -> DistError:
+        """all_gather among the lane failed: name every other host of the lane."""
+        others = [p for p in self.leaders if p != self.rank]
+        where = f"rank(s) {others} on {', '.join(self.host_of(p) for p in others)}"
+        return self._broke(what, f"all_gather with {where} over {self.kind}: {type(e).__name__}: {e}",
+                           f"{where} failed to answer over {self.kind}", timed_out,
+                           "one of those hosts is unreachable or its ranks died")
+
+    def _start_gather(self, what: str):
+        self._not_broken(what)
         n = len(self.leaders)
         carried["messages"] += 2 * (n - 1)
 
     def _failed(self, what: str, peer: int, role: str, e: BaseException, timed_out: bool) -> DistError:
-        why = f"{role} with rank {peer} on {self.host_of(peer)} over {self.kind}: {type(e).__name__}: {e}"
-        self.broken = why
-        self.comm.engine.note_failed_over(f"rank {peer} on {self.host_of(peer)} failed in a {role} over "
-                                          f"{self.kind}")
-        if self.kind == "mpi":
-            _mpi_lost(why)
-        cls = DistTimeoutError if timed_out else DistPeerError
-        return cls(f"rank {self.rank}: {what}: {why}; that host is unreachable or its ranks died")
+        where = f"rank {peer} on {self.host_of(peer)}"
+        return self._broke(what, f"{role} with {where} over {self.kind}: {type(e).__name__}: {e}",
+                           f"{where} failed in a {role} over {self.kind}", timed_out,
+                           "that host is unreachable or its ranks died")
 
     def close(self) -> None:
         pass

@@ -120,6 +120,13 @@ def _forget(addr: int) -> None:
         del _starts[i]
 
 
+def mapped_bytes() -> int:
+    """Bytes this process maps for live allocations (every member's region:
+    memory_usage's ``empty_arrays``)."""
+    maps = (a.mm() for a in live.values())
+    return sum(len(mm) for mm in maps if mm is not None)
+
+
 def find(addr: int, nbytes: int):
     """(allocation, offset in its region) when [addr, addr + nbytes) lies in
     this rank's region of a live allocation, else None."""
