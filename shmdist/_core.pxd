@@ -58,6 +58,8 @@ cdef class Ring:
                         uint64_t total) noexcept nogil
     cdef void _room(self) noexcept nogil
     cdef int _take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, const char *dtype16)
+    cdef int _take_single(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes,
+                          const char *dtype16)
 
 
 cdef class Backoff:
@@ -112,7 +114,6 @@ cdef class Lane:
     cdef list outs, ins            # Ring or None, per global rank
     cdef list send_ops, recv_ops   # the op names of requests, per global rank
     cdef public dict dtypes        # numpy dtype -> its 16-byte header field, filled by the general path
-    cdef public list single_min    # per global rank: sends this big go the general way (single copy)
     cdef object acquire, release   # the engine's lock
     cdef Queues q                  # the engine's queues (the same object, for good)
     cdef object engine

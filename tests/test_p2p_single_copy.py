@@ -1,7 +1,8 @@
 """Single copy between local ranks (transport/engine.py): a message at least
-SHMDIST_SINGLE_COPY bytes big goes through the ring as a small record
-naming the sender's memory, and the receiver reads it from there with
-process_vm_readv. Bit-exact data around the threshold, both ways at once,
+SHMDIST_SINGLE_COPY bytes big that the ring cannot take whole at once goes
+through the ring as a small record naming the sender's memory, and the
+receiver reads it from there with process_vm_readv. A 64 KiB ring here, so
+that every message from the threshold up takes that way. Bit-exact data around the threshold, both ways at once,
 many in flight, out-of-order tags, a buffer sent and received into at once,
 the fallback (the knob at 0, a peer the probe cannot read), a sender killed
 while its message is being read, and the flight recorder."""
@@ -18,7 +19,7 @@ import pytest
 import shmdist as dist
 
 THRESHOLD = 64 << 10
-ENV = {"SHMDIST_SINGLE_COPY": str(THRESHOLD)}
+ENV = {"SHMDIST_SINGLE_COPY": str(THRESHOLD), "SHMDIST_RING_BYTES": str(THRESHOLD)}
 SIZES = (THRESHOLD - 64, THRESHOLD - 1, THRESHOLD, THRESHOLD + 1, THRESHOLD + 4096, 3 << 20)
 
 
