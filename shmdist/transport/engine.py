@@ -48,6 +48,12 @@ from shmdist.request import DistributedRequest
 from shmdist.tensors import as_buf, describe
 
 LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
+# Above this, a message goes in a single copy only while a receive from its destination is
+# pending too (both ways at once). One way, the ring's two copies run on two cores at once,
+# the receiver's with streaming stores: 13.2 GB/s at 16 MiB and 9.3 at 256 MiB on the quiet
+# 2-core VM, where process_vm_readv alone moves 10.4 GB/s at 16 MiB (bench/cma_probe.py) and
+# Open MPI's single copy 7.1 at 64 MiB. Both ways, each core has its own copy to make anyway.
+ONE_WAY_SINGLE_MAX = 4 << 20
 COLLECTIVE_GID = 1 << 40  # group ids at and above it carry collectives' own messages
 
 
@@ -164,6 +170,7 @@ class Engine:
             q = sendq.get(dst)
             if buf.nbytes >= self.single_min > 0 and dst in self.single_by and \
                     (q or chan.room() < _core.record_bytes(buf.nbytes)) and \
+                    (buf.nbytes <= ONE_WAY_SINGLE_MAX or self._receiving_from(dst)) and \
                     buf.nbytes >= self._single_limit(dst) and not self._written(buf):
                 meta = np.array([self.pid, buf.addr], dtype=np.uint64)      # layout.SINGLE_COPY
                 header = make_header(tag, gid, self.rank, buf, HDR_SINGLE_COPY)
@@ -199,6 +206,15 @@ class Engine:
                 return float("inf")     # it has not probed yet: copy through the ring meanwhile
             limit = self.single[dst] = self.single_min if ok else float("inf")
         return limit
+
+    def _receiving_from(self, dst: int) -> bool:
+        """Whether a receive from ``dst`` is pending here: traffic both ways,
+        where each rank's copying is what limits (lock held)."""
+        if self.queues.rx.get(dst) is not None:
+            return True
+        if self.lane.pending is not None and any(req._peers == (dst,) for req in self.lane.pending_requests()):
+            return True     # a small receive the fast lane keeps
+        return any(r.src == dst or r.src is None for r in self.queues.posted)
 
     def _written(self, buf) -> bool:
         """Whether a receive pending here may write into ``buf``'s memory: a
