@@ -235,6 +235,16 @@ class _Pending:
         self.inter._wait(self, timeout)
 
 
+class _Gather:
+    """A started all_gather of the lane (start_gather); wait() finishes it."""
+
+    def __init__(self, inter, what: str, handle, keep):
+        self.inter, self.what, self.handle, self.keep = inter, what, handle, keep
+
+    def wait(self, timeout: float) -> None:
+        self.inter._gather_wait(self, timeout)
+
+
 class _Inter:
     """The messages between this rank and the other members of its lane
     (local rank i of every node; lane 0 is the leaders). ``leaders`` is the
@@ -323,6 +333,11 @@ class _Inter:
                            f"{where} failed to answer over {self.kind}", timed_out,
                            "one of those hosts is unreachable or its ranks died")
 
+    def all_gather(self, what: str, mine, got: dict, timeout: float) -> None:
+        """The engine's all_gather among the lane: ``mine`` (an array) to
+        every member, theirs into ``got`` {rank: array}."""
+        self.start_gather(what, mine, got, timeout).wait(timeout)
+
     def _start_gather(self, what: str):
         self._not_broken(what)
         n = len(self.leaders)
@@ -364,9 +379,9 @@ class GlooInter(_Inter):
 
     gathers = True
 
-    def all_gather(self, what: str, mine, got: dict, timeout: float) -> None:
-        """gloo's allgather among the lane: ``mine`` (an array) to every
-        member, theirs into ``got`` {rank: array}."""
+    def start_gather(self, what: str, mine, got: dict, timeout: float):
+        """gloo's allgather among the lane, started: ``mine`` (an array) to
+        every member, theirs into ``got`` {rank: array} once waited for."""
         self._start_gather(what)
         torch = self.torch
         carried["bytes"] += mine.nbytes * 2 * len(got)
@@ -375,9 +390,15 @@ class GlooInter(_Inter):
                 for p in self.leaders]
         try:
             work = self.pg.allgather([outs], [src])
-            work.wait(datetime.timedelta(seconds=timeout))
         except RuntimeError as e:
             raise self._gather_failed(what, e, "imeout" in str(e) or "timed out" in str(e)) from None
+        return _Gather(self, what, work, outs)
+
+    def _gather_wait(self, gather, timeout: float) -> None:
+        try:
+            gather.handle.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            raise self._gather_failed(gather.what, e, "imeout" in str(e) or "timed out" in str(e)) from None
 
     def _send(self, buf, peer: int, tag: int):
         return self.pg.send([self._tensor(buf)], self.index[peer], tag)
@@ -429,18 +450,22 @@ class MpiInter(_Inter):
 
     gathers = True
 
-    def all_gather(self, what: str, mine, got: dict, timeout: float) -> None:
-        """MPI_Iallgather among the lane, waited for here (our timeout)."""
+    def start_gather(self, what: str, mine, got: dict, timeout: float):
+        """MPI_Iallgather among the lane, started; waited for (our timeout) by _Gather.wait."""
         import numpy as np
         self._start_gather(what)
         carried["bytes"] += mine.nbytes * 2 * len(got)
         flat = mine.view("uint8").reshape(-1)
         into = np.empty((len(self.leaders), flat.size), dtype=np.uint8)
         req = self.mpi.Iallgather([flat, self.MPI.BYTE], [into, self.MPI.BYTE])
+        return _Gather(self, what, req, (into, got))
+
+    def _gather_wait(self, gather, timeout: float) -> None:
+        into, got = gather.keep
         deadline = time.monotonic() + timeout
-        while not req.Test():
+        while not gather.handle.Test():
             if time.monotonic() > deadline:
-                raise self._gather_failed(what, TimeoutError(f"not done within {timeout:g} s"), True)
+                raise self._gather_failed(gather.what, TimeoutError(f"not done within {timeout:g} s"), True)
             time.sleep(0.00005)
         for i, p in enumerate(self.leaders):
             if p != self.rank:
