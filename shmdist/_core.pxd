@@ -89,6 +89,7 @@ cdef class Queues:
     cdef readonly list posted      # receives posted and not yet matched, in posting order
     cdef readonly dict rx          # source -> the record streaming in from it, or None
     cdef readonly list unexpected  # records that arrived before a receive asked for them
+    cdef readonly dict awaiting    # destination -> deque of single-copy sends not yet read by it
 
 
 @cython.final
@@ -111,6 +112,7 @@ cdef class Lane:
     cdef list outs, ins            # Ring or None, per global rank
     cdef list send_ops, recv_ops   # the op names of requests, per global rank
     cdef public dict dtypes        # numpy dtype -> its 16-byte header field, filled by the general path
+    cdef public list single_min    # per global rank: sends this big go the general way (single copy)
     cdef object acquire, release   # the engine's lock
     cdef Queues q                  # the engine's queues (the same object, for good)
     cdef object engine

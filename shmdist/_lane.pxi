@@ -26,6 +26,7 @@ cdef class Queues:
         self.posted = []
         self.rx = dict.fromkeys(sources)
         self.unexpected = []
+        self.awaiting = {}
 
 
 cdef class _Pend:
@@ -56,6 +57,7 @@ cdef class Lane:
         self.recv_ops = [f"recv from rank {r}" for r in range(size)]
         self.peers = [(r,) for r in range(size)]
         self.dtypes = {}
+        self.single_min = [None] * size     # None: no limit (the engine sets the limits it uses)
         self.acquire = engine.lock.acquire
         self.release = engine.lock.release
         self.q = <Queues?>engine.queues
@@ -154,6 +156,9 @@ cdef class Lane:
             total = _record(<uint64_t>view.len)
             if total > ring.size:
                 return None
+            limit = self.single_min[self.a_peer]
+            if limit is not None and view.len >= <Py_ssize_t>limit:
+                return None     # big enough for a single copy: the engine sends it
             self._header(hdr, &view, t, dtype16)
             self.acquire()
             try:
@@ -221,8 +226,8 @@ cdef class Lane:
         req.tensors = [arr]
         self.acquire()
         try:
-            if self.q.posted or self.q.unexpected or self.q.rx[isrc] is not None:
-                return None
+            if self.q.posted or self.q.unexpected or self.q.rx[isrc] is not None or self.q.awaiting:
+                return None     # (a single-copy send may be read from this very buffer: the engine checks)
             ahead = False
             for p in self.pend:
                 if p.src == isrc:

@@ -162,11 +162,18 @@ cdef class Ring:
         cdef uint8_t hdr[SD_HEADER_BYTES]
         cdef int64_t htag, hgid
         cdef uint64_t hbytes
+        cdef int32_t flags
         if self.cached_head - t < total:
             self.cached_head = sd_load64(self.head)
             if self.cached_head - t < total:
-                return SD_NOT_YET
+                if self.cached_head - t < SD_HEADER_BYTES:
+                    return SD_NOT_YET
+                memcpy(&flags, self.data + ((t + SD_HDR_FLAGS) & self.mask), 4)  # headers never wrap
+                return SD_OTHER_RECORD if flags else SD_NOT_YET     # a single-copy record: the engine's
         self._get(t, hdr, SD_HEADER_BYTES)
+        memcpy(&flags, hdr + SD_HDR_FLAGS, 4)
+        if flags:
+            return SD_OTHER_RECORD
         memcpy(&htag, hdr + SD_HDR_TAG, 8)
         memcpy(&hgid, hdr + SD_HDR_GID, 8)
         memcpy(&hbytes, hdr + SD_HDR_NBYTES, 8)
@@ -180,6 +187,16 @@ cdef class Ring:
         sd_store64(self.tail, t + total)
         self._room()
         return SD_DONE
+
+    def acked(self):
+        """Producer side: single-copy records the consumer has read, ever."""
+        return sd_load64(<uint64_t *>(<size_t>self.head - SD_RING_HEAD + SD_RING_ACKED))
+
+    def ack(self):
+        """Consumer side: one more single-copy record read; wake the producer."""
+        cdef uint64_t *acked = <uint64_t *>(<size_t>self.head - SD_RING_HEAD + SD_RING_ACKED)
+        sd_store64(acked, sd_load64(acked) + 1)
+        _ring_traffic(self.other_ctl)
 
     def peek(self):
         """The next record's header, or None when it has not arrived."""
