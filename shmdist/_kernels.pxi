@@ -11,6 +11,8 @@ cdef inline int _all_reached(const uint8_t *flags, size_t stride, int n, uint64_
     return 1
 
 
+cdef enum:
+    _GIL_KEPT_BYTES = 16384   # reductions up to this many bytes per row keep the GIL (~0.1 us of work)
 KIND_BFLOAT16, KIND_FLOAT16 = SD_KIND_BFLOAT16, SD_KIND_FLOAT16   # float32 sums, one rounding (_half.h)
 _BF16_PLAN = (KIND_BFLOAT16, b"bfloat16")
 import numpy as _np
@@ -101,8 +103,11 @@ cdef int _reduce_kind(int kind, int op, size_t out, size_t first, size_t stride,
         raise MemoryError()
     for j in range(n):
         ins[j] = first + j * stride
-    with nogil:
+    if count * sd_kind_itemsize[kind] <= _GIL_KEPT_BYTES:   # letting the GIL go costs more than this
         _reduce_parts_kind(kind, op, out, ins, n, count)
+    else:
+        with nogil:
+            _reduce_parts_kind(kind, op, out, ins, n, count)
     if ins != &near[0]:
         free(ins)
     return 0

@@ -155,7 +155,7 @@ def typed_view(buf: Buf) -> np.ndarray | None:
 
 # ---------------------------------------------------------------- numpy views of torch tensors, cached
 
-_VIEWS: dict = {}   # data_ptr -> (shape, torch dtype, numpy view of exactly that memory)
+_VIEWS: dict = {}   # data_ptr -> (shape, torch dtype, numpy view of exactly that memory, complex?)
 _MAX_VIEWS = 64
 _NUMPY_OF: dict = {}   # torch dtype -> numpy dtype, for the dtypes numpy has (bfloat16: BF16_BITS)
 _COMPLEX: tuple = ()
@@ -205,7 +205,7 @@ def numpy_view(t, bits: bool = False) -> np.ndarray | None:
     if kept is not None:
         dtype = kept[1]
         if dtype is t.dtype and kept[0] == t.shape and t.is_contiguous() and not t.is_neg() \
-                and (bits or dtype is not _BF16) and (dtype not in _COMPLEX or not t.is_conj()):
+                and (bits or dtype is not _BF16) and (not kept[3] or not t.is_conj()):
             return kept[2]
     torch = sys.modules["torch"]
     if not _NUMPY_OF:
@@ -220,5 +220,5 @@ def numpy_view(t, bits: bool = False) -> np.ndarray | None:
     view = np.ndarray(tuple(t.shape), dtype, buffer=(ctypes.c_char * nbytes).from_address(ptr))
     if len(_VIEWS) >= _MAX_VIEWS:
         _VIEWS.clear()
-    _VIEWS[ptr] = (t.shape, t.dtype, view)
+    _VIEWS[ptr] = (t.shape, t.dtype, view, t.dtype in _COMPLEX)
     return view

@@ -357,6 +357,14 @@ class GroupComm:
             return True
         if how == BROKEN or how == NOT_TAKEN:
             return False
+        self._finish_quick_all_reduce(arr, op, timeout, dtype_name, how)
+        return True
+
+    def _finish_quick_all_reduce(self, arr: np.ndarray, op: ReduceOp, timeout: float,
+                                 dtype_name: str | None, how: int) -> None:
+        """quick_all_reduce when the others were not all there yet (NOT_YET)
+        or the calls differ (DIFFER); apart, so that the common call makes no
+        closure."""
         kind, code, _ = self.ph.plan(arr.dtype, op, dtype_name)
         what = lambda: f"all_reduce({op.name}, {describe(arr.nbytes, arr.dtype.name, arr.shape)})"
         try:                              # the Phaser left the lock held
@@ -367,7 +375,6 @@ class GroupComm:
                               self.n, arr.size)
         finally:
             self.lock.release()
-        return True
 
     def all_reduce(self, buf, arr: np.ndarray, op: ReduceOp, timeout: float, root: int = -1) -> None:
         """Every rank (or only ``root``, for reduce) ends with the reduction.
