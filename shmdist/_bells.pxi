@@ -165,16 +165,6 @@ def copy(size_t dst, size_t src, size_t n):
 
 # ---------------------------------------------------------------- single copy
 
-cdef extern from "sys/uio.h" nogil:
-    struct iovec:
-        void *iov_base
-        size_t iov_len
-    ssize_t process_vm_readv(int pid, const iovec *local, unsigned long liovcnt,
-                             const iovec *remote, unsigned long riovcnt, unsigned long flags)
-
-from libc.errno cimport errno, EINTR, EFAULT
-
-
 def cma_read(int pid, size_t dst, size_t src, size_t n):
     """Copy ``n`` bytes at address ``src`` of process ``pid`` to ``dst`` in
     this one, in one copy (process_vm_readv), without the GIL. Returns 0, or

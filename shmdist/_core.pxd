@@ -58,6 +58,8 @@ cdef class Ring:
                         uint64_t total) noexcept nogil
     cdef void _room(self) noexcept nogil
     cdef int _take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, const char *dtype16)
+    cdef int _take_single(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes,
+                          const char *dtype16)
 
 
 cdef class Backoff:
@@ -112,7 +114,6 @@ cdef class Lane:
     cdef list outs, ins            # Ring or None, per global rank
     cdef list send_ops, recv_ops   # the op names of requests, per global rank
     cdef public dict dtypes        # numpy dtype -> its 16-byte header field, filled by the general path
-    cdef public list single_min    # per global rank: sends this big go the general way (single copy)
     cdef object acquire, release   # the engine's lock
     cdef Queues q                  # the engine's queues (the same object, for good)
     cdef object engine
@@ -143,6 +144,7 @@ cdef class Phaser:
     cdef object acquire, release
     cdef bytes barrier_desc
     cdef dict kinds                      # numpy dtype -> (reduce_rows kind, its name) for all_reduce
+    cdef object last_dtype, last_op, last_name, last_plan   # plan()'s last answer, by identity
     cdef uint64_t all_reduce_index
     cdef public int64_t trace_gid        # the group id its calls are recorded under (-1: not recorded)
     cdef public uint64_t tseq            # the flight-recorder entry of its last call
@@ -150,3 +152,4 @@ cdef class Phaser:
     cdef int _call(self, const char *desc, size_t nd, void *data, size_t nbytes, int kind,
                    int op) except -4
     cpdef object plan(self, dtype, op, name=*)
+    cdef object _plan(self, dtype, op, name)

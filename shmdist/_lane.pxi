@@ -57,7 +57,6 @@ cdef class Lane:
         self.recv_ops = [f"recv from rank {r}" for r in range(size)]
         self.peers = [(r,) for r in range(size)]
         self.dtypes = {}
-        self.single_min = [None] * size     # None: no limit (the engine sets the limits it uses)
         self.acquire = engine.lock.acquire
         self.release = engine.lock.release
         self.q = <Queues?>engine.queues
@@ -156,9 +155,6 @@ cdef class Lane:
             total = _record(<uint64_t>view.len)
             if total > ring.size:
                 return None
-            limit = self.single_min[self.a_peer]
-            if limit is not None and view.len >= <Py_ssize_t>limit:
-                return None     # big enough for a single copy: the engine sends it
             self._header(hdr, &view, t, dtype16)
             self.acquire()
             try:
@@ -325,7 +321,7 @@ cdef class Lane:
         their records come. True when it completed; else every pending
         receive is posted to the engine, which waits for it."""
         cdef _Pend p, mine, first = None
-        cdef uint64_t total, t
+        cdef uint64_t total, t, h
         cdef long i
         cdef int how
         if req._done:
@@ -351,8 +347,11 @@ cdef class Lane:
             t = sd_load64(first.ring.tail)
             with nogil:
                 for i in range(spin):
-                    if sd_load64(first.ring.head) - t >= total:
+                    h = sd_load64(first.ring.head) - t
+                    if h >= total:
                         break
+                    if h >= SD_HEADER_BYTES and _single_copy_at(first.ring, t):
+                        break       # a single-copy record: shorter than the message, the engine's
                     sd_relax()
         self.acquire()
         try:

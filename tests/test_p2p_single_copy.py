@@ -1,7 +1,10 @@
 """Single copy between local ranks (transport/engine.py): a message at least
-SHMDIST_SINGLE_COPY bytes big goes through the ring as a small record
-naming the sender's memory, and the receiver reads it from there with
-process_vm_readv. Bit-exact data around the threshold, both ways at once,
+SHMDIST_SINGLE_COPY bytes big that the ring cannot take whole at once (and,
+above engine.ONE_WAY_SINGLE_MAX, only while a receive from its destination
+is pending too) goes
+through the ring as a small record naming the sender's memory, and the
+receiver reads it from there with process_vm_readv. A 64 KiB ring here, so
+that every message from the threshold up takes that way. Bit-exact data around the threshold, both ways at once,
 many in flight, out-of-order tags, a buffer sent and received into at once,
 the fallback (the knob at 0, a peer the probe cannot read), a sender killed
 while its message is being read, and the flight recorder."""
@@ -18,7 +21,7 @@ import pytest
 import shmdist as dist
 
 THRESHOLD = 64 << 10
-ENV = {"SHMDIST_SINGLE_COPY": str(THRESHOLD)}
+ENV = {"SHMDIST_SINGLE_COPY": str(THRESHOLD), "SHMDIST_RING_BYTES": str(THRESHOLD)}
 SIZES = (THRESHOLD - 64, THRESHOLD - 1, THRESHOLD, THRESHOLD + 1, THRESHOLD + 4096, 3 << 20)
 
 
@@ -155,7 +158,7 @@ def test_aliased_send_and_recv_buffer(run_ranks, recv_first):
     assert run_ranks(aliased, 2, recv_first, env=ENV, timeout=90) == [[], []]
 
 
-def sender_killed(rank, world_size, init_method, nbytes, when):
+def sender_killed(rank, world_size, init_method, nbytes, when, note):
     """Rank 0 sends a big single copy and is killed (SIGKILL): ``before`` the
     read (right after its record went into the ring; rank 1 receives once
     rank 0 is gone), or ``during`` it (from a second thread of rank 1 while
@@ -168,10 +171,14 @@ def sender_killed(rank, world_size, init_method, nbytes, when):
     if rank == 0:
         buf = pattern(nbytes, 5)
         dist.send(np.ones(1), 1).wait()      # ready
+        never = dist.irecv(np.zeros(1), 1)   # (a receive from rank 1 pending: big sends go single copy)
         dist.isend(buf, 1)
+        from shmdist.api import group
+        with open(note, "w") as f:           # the message went as a single copy
+            f.write(str(sum(len(q) for q in group._world.engine.queues.awaiting.values())))
         if when == "before":
             os.kill(os.getpid(), signal.SIGKILL)
-        dist.recv(np.zeros(1), 1).wait()     # never comes: rank 1 kills this process
+        never.wait()                         # never completes: rank 1 kills this process
         return "not killed"
     from shmdist.api import group
     pid = group._world.host.peer_pids[0]
@@ -195,14 +202,18 @@ def sender_killed(rank, world_size, init_method, nbytes, when):
     return outcome
 
 
-def test_sender_killed_before_its_message_is_read(run_ranks):
-    res = run_ranks(sender_killed, 2, 8 << 20, "before", env=ENV, timeout=90, errors="return")
+def test_sender_killed_before_its_message_is_read(run_ranks, tmp_path):
+    note = tmp_path / "awaiting"
+    res = run_ranks(sender_killed, 2, 8 << 20, "before", str(note), env=ENV, timeout=90, errors="return")
+    assert note.read_text() == "1"
     kind, message, prompt = res[1]
     assert kind == "DistPeerError" and "rank 0 died" in message and prompt, res[1]
 
 
-def test_sender_killed_while_its_message_is_read(run_ranks):
-    res = run_ranks(sender_killed, 2, 512 << 20, "during", env=ENV, timeout=90, errors="return")
+def test_sender_killed_while_its_message_is_read(run_ranks, tmp_path):
+    note = tmp_path / "awaiting"
+    res = run_ranks(sender_killed, 2, 512 << 20, "during", str(note), env=ENV, timeout=90, errors="return")
+    assert note.read_text() == "1"
     assert res[1] == "exact" or (res[1][0] == "DistPeerError" and "rank 0 died" in res[1][1]), res[1]
 
 
@@ -227,3 +238,41 @@ def test_flight_recorder_records_single_copies(run_ranks):
     assert used0
     assert sent == [("send", 1, 7, 1 << 20, trace.DONE)]
     assert received == [("recv", 0, 7, 1 << 20, trace.DONE)]
+
+
+def ring_or_single(rank, world_size, init_method, nbytes, pending):
+    """What rank 0's one send of ``nbytes`` becomes: 'ring' (completed at
+    once, or streaming through the ring) or 'single' (waiting to be read).
+    ``pending``: rank 0 has a receive from rank 1 pending meanwhile; False:
+    rank 1 receives only once rank 0 has exited; None: rank 1 receives at once."""
+    from shmdist.api import group
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    if rank == 0:
+        answer = dist.irecv(np.zeros(1), 1) if pending else None
+        req = dist.isend(pattern(nbytes, 9), 1)
+        got = "single" if group._world.engine.queues.awaiting else "ring"
+        req.wait()
+        if answer is not None:
+            answer.wait()
+        dist.destroy_process_group()
+        return got
+    from ranks import wait_until_gone
+    if pending is False:    # a send that fit the ring completed without this rank
+        wait_until_gone(group._world.host.peer_pids[0])
+    into = np.zeros(nbytes, np.uint8)
+    dist.recv(into, 0).wait(timeout=30)
+    if pending:
+        dist.send(np.zeros(1), 0).wait()
+    dist.destroy_process_group()
+    return np.array_equal(into, pattern(nbytes, 9))
+
+
+@pytest.mark.parametrize("nbytes, pending, way", [
+    (256 << 10, False, "ring"),     # fits the 1 MiB ring: completes at once, even if the sender exits
+    (8 << 20, None, "ring"),        # one way and above ONE_WAY_SINGLE_MAX: the ring's two copies
+    (8 << 20, True, "single"),      # the same with a receive from the peer pending
+    (2 << 20, None, "single"),      # one way, does not fit the ring, not above ONE_WAY_SINGLE_MAX
+])
+def test_which_messages_go_single_copy(run_ranks, nbytes, pending, way):
+    env = {"SHMDIST_SINGLE_COPY": str(THRESHOLD), "SHMDIST_RING_BYTES": str(1 << 20)}
+    assert run_ranks(ring_or_single, 2, nbytes, pending, env=env, timeout=90) == [way, True]

@@ -14,6 +14,21 @@ A record is matched to the first posted receive with the same
 tag) holds. There is no progress thread: every call into the engine and
 every wait moves all pending operations forward, so two ranks that both
 send before they receive do not deadlock.
+
+Single copy: a message of at least SHMDIST_SINGLE_COPY bytes to a local
+peer that the ring cannot take whole now (it would wait for room anyway)
+goes as a small record instead, flagged HDR_SINGLE_COPY, whose payload is
+SINGLE_COPY (this process's pid, the message's address). The receiver reads
+the message from here with process_vm_readv, straight into its buffer (or,
+unasked for, into a private one, so the sender is never held up), then
+counts the record in the ring's RING_ACKED and rings the sender; the send
+completes when that count passes it. Half the copying of the ring's two
+copies (sender in, receiver out), and the one copy left is the receiver's,
+so two ranks sending to each other each copy only what they receive. Used
+only where the peer's probe at init could read this rank's memory
+(shm.py), never while a receive pending here writes into the memory sent
+(a single copy reads it later than a ring copy would), and a receive into
+memory an unread single copy still reads waits for that read first.
 """
 from __future__ import annotations
 
@@ -33,6 +48,12 @@ from shmdist.request import DistributedRequest
 from shmdist.tensors import as_buf, describe
 
 LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
+# Above this, a message goes in a single copy only while a receive from its destination is
+# pending too (both ways at once). One way, the ring's two copies run on two cores at once,
+# the receiver's with streaming stores: 13.2 GB/s at 16 MiB and 9.3 at 256 MiB on the quiet
+# 2-core VM, where process_vm_readv alone moves 10.4 GB/s at 16 MiB (bench/cma_probe.py) and
+# Open MPI's single copy 7.1 at 64 MiB. Both ways, each core has its own copy to make anyway.
+ONE_WAY_SINGLE_MAX = 4 << 20
 COLLECTIVE_GID = 1 << 40  # group ids at and above it carry collectives' own messages
 
 
@@ -137,9 +158,6 @@ class Engine:
         self.forked = ""                  # in a forked child: why the parent's engine is not its own
         self.waiting: set = set()         # threads inside wait_for: close() lets them out before unmapping
         self.lane = _core.Lane(self, rank, 1 + max([rank, *chan_out, *chan_in]), chan_out, chan_in)
-        if self.single_min > 0:
-            for r in self.single_by:
-                self.lane.single_min[r] = self.single_min   # the engine decides, peer by peer
 
     # ------------------------------------------------------------ posting
 
@@ -148,7 +166,11 @@ class Engine:
         req._peers = (dst,)
         with self.lock:
             meta = None
+            sendq = self.queues.sendq
+            q = sendq.get(dst)
             if buf.nbytes >= self.single_min > 0 and dst in self.single_by and \
+                    (q or chan.room() < _core.record_bytes(buf.nbytes)) and \
+                    (buf.nbytes <= ONE_WAY_SINGLE_MAX or self._receiving_from(dst)) and \
                     buf.nbytes >= self._single_limit(dst) and not self._written(buf):
                 meta = np.array([self.pid, buf.addr], dtype=np.uint64)      # layout.SINGLE_COPY
                 header = make_header(tag, gid, self.rank, buf, HDR_SINGLE_COPY)
@@ -157,8 +179,6 @@ class Engine:
                 header = make_header(tag, gid, self.rank, buf)
                 addr, nbytes = buf.addr, buf.nbytes
             total = _core.record_bytes(nbytes)
-            sendq = self.queues.sendq
-            q = sendq.get(dst)
             pos = 0
             if not q:       # nothing queued before it: write what fits now
                 pos = chan.push(header, addr, nbytes, 0)
@@ -185,9 +205,16 @@ class Engine:
             if ok is None:
                 return float("inf")     # it has not probed yet: copy through the ring meanwhile
             limit = self.single[dst] = self.single_min if ok else float("inf")
-            if not ok:
-                self.lane.single_min[dst] = None    # the fast lane takes all it can again
         return limit
+
+    def _receiving_from(self, dst: int) -> bool:
+        """Whether a receive from ``dst`` is pending here: traffic both ways,
+        where each rank's copying is what limits (lock held)."""
+        if self.queues.rx.get(dst) is not None:
+            return True
+        if self.lane.pending is not None and any(req._peers == (dst,) for req in self.lane.pending_requests()):
+            return True     # a small receive the fast lane keeps
+        return any(r.src == dst or r.src is None for r in self.queues.posted)
 
     def _written(self, buf) -> bool:
         """Whether a receive pending here may write into ``buf``'s memory: a
