@@ -144,6 +144,7 @@ cdef class Phaser:
     cdef object acquire, release
     cdef bytes barrier_desc
     cdef dict kinds                      # numpy dtype -> (reduce_rows kind, its name) for all_reduce
+    cdef object last_dtype, last_op, last_name, last_plan   # plan()'s last answer, by identity
     cdef uint64_t all_reduce_index
     cdef public int64_t trace_gid        # the group id its calls are recorded under (-1: not recorded)
     cdef public uint64_t tseq            # the flight-recorder entry of its last call
@@ -151,3 +152,4 @@ cdef class Phaser:
     cdef int _call(self, const char *desc, size_t nd, void *data, size_t nbytes, int kind,
                    int op) except -4
     cpdef object plan(self, dtype, op, name=*)
+    cdef object _plan(self, dtype, op, name)

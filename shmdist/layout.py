@@ -138,18 +138,18 @@ def kind_of(name: str) -> int:
 # Each rank's ring of its recent operations (trace.py makes and reads it; the
 # hot paths write entries in C, _trace.h). A header page, then TRACE_CAPACITY
 # entries of TRACE_ENTRY bytes; the entry of sequence number s (from 1) is at
-# TRACE_HEAD + ((s - 1) & (capacity - 1)) * TRACE_ENTRY. Little-endian.
+# TRACE_HEAD + (s & (capacity - 1)) * TRACE_ENTRY. Little-endian.
 
 TRACE_MAGIC = int.from_bytes(b"SHMDTRC1", "little")
-TRACE_VERSION = 1
+TRACE_VERSION = 2              # 2: entry s in slot s & mask; posts no longer counted in changes
 TRACE_HEAD = 4096             # the header page
 TRACE_ENTRY = 128
-# magic, version, entry bytes, capacity (a power of two), entries written, changes (posts and
-# state changes), rank, world size, pid, state (TRACE_LIVE/LEFT), metadata bytes,
+# magic, version, entry bytes, capacity (a power of two), entries written, changes (state
+# changes only), rank, world size, pid, state (TRACE_LIVE/LEFT), metadata bytes,
 # CLOCK_MONOTONIC_COARSE ns and time.time_ns() when made (to turn entry times into wall times)
 TRACE_HDR = struct.Struct("<QIIQQQqqqIIQQ")
 TRACE_H_WRITTEN = 24          # uint64, stored last when an entry is added
-TRACE_H_CHANGES = 32          # uint64
+TRACE_H_CHANGES = 32          # uint64: state changes (progress = written + changes)
 TRACE_H_RANK = 40             # int64 rank, int64 world size
 TRACE_H_STATE = 64            # uint32
 TRACE_H_META_LEN = 68         # uint32: bytes of JSON metadata at TRACE_META_AT (0 while rewritten)

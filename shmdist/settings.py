@@ -85,6 +85,9 @@ SETTINGS = {s.name: s for s in (
     Setting("SHMDIST_SHARD_BYTES", 256 << 10, _int,
             "all_reduce across hosts at least this big is sharded: local rank i carries the i-th share "
             "between hosts (hier.py); 0 never"),
+    Setting("SHMDIST_SHARD_PIECE_BYTES", 4 << 20, _int,
+            "a sharded all_reduce runs in pieces of about this many bytes, so that the bytes of one "
+            "piece cross between hosts while the ranks reduce the next inside the host (hier.py)"),
     Setting("SHMDIST_TRACE", True, _flag,
             "0 turns the flight recorder off (trace.py)"),
     Setting("SHMDIST_TRACE_SIZE", None, str,

@@ -284,6 +284,10 @@ class Engine:
         group id ``gid`` (COLLECTIVE_GID | the group's: no user message
         matches them) and tag 0, and wait for them all. A request that fails
         raises its error with ``peers``, the ranks it waited on, set on it."""
+        self.wait_exchange(self.post_exchange(what, sends, recvs, gid, members), timeout)
+
+    def post_exchange(self, what: str, sends: list, recvs: list, gid: int, members) -> list:
+        """The posting half of exchange(): its requests, for wait_exchange."""
         reqs = []
         for buf, src in recvs:
             req = DistributedRequest(self, f"{what}: receive from rank {src}")
@@ -293,6 +297,10 @@ class Engine:
             req = DistributedRequest(self, f"{what}: send to rank {dst}")
             self.send(req, buf, dst, gid, 0)
             reqs.append(req)
+        return reqs
+
+    def wait_exchange(self, reqs: list, timeout: float) -> None:
+        """The waiting half of exchange()."""
         for req in reqs:
             try:
                 req.wait(timeout)
