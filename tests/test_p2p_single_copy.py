@@ -301,3 +301,28 @@ def test_receiver_killed_before_reading(run_ranks):
     single, (kind, message, prompt) = res[0]
     assert single
     assert kind == "DistPeerError" and "send to rank 1" in message and "rank 1 died" in message and prompt, message
+
+
+def read_while_sender_parked(rank, world_size, init_method):
+    """A single copy is read whole while its sender sits in a barrier (which
+    moves no point-to-point bytes): on the ring it would stay half moved."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    n = 2 << 20
+    if rank == 0:
+        q = dist.send(pattern(n, 4), 1)
+        dist.barrier()
+        dist.barrier()
+        got = q.wait()
+    else:
+        dist.barrier()
+        into = np.zeros(n, np.uint8)
+        q = dist.recv(into, 0)
+        q.wait(timeout=10)      # rank 0 is in the second barrier meanwhile
+        got = np.array_equal(into, pattern(n, 4))
+        dist.barrier()
+    dist.destroy_process_group()
+    return got
+
+
+def test_single_copy_is_read_while_the_sender_is_in_a_barrier(run_ranks):
+    assert run_ranks(read_while_sender_parked, 2, env=ENV, timeout=60)[1] is True
