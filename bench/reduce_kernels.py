@@ -29,7 +29,7 @@ def per_call(kind: int, n: int, nbytes: int, reps: int) -> float:
 
 
 def main() -> None:
-    print(f"half_level {_core.half_level()} (2 AVX-512, 1 AVX2+F16C, 0 plain C)")
+    print(f"half_level {_core.half_level()} (3 AVX-512 with BF16/FP16, 2 AVX-512, 1 AVX2+F16C, 0 plain C)")
     for n in (2, 4):
         for nbytes, reps in ((4096, 20000), (65536, 2000), (1 << 20, 100), (4 << 20, 20)):
             f, b, h = (per_call(k, n, nbytes, reps) for k in (0, 4, 5))

@@ -58,6 +58,8 @@ cdef class Ring:
                         uint64_t total) noexcept nogil
     cdef void _room(self) noexcept nogil
     cdef int _take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, const char *dtype16)
+    cdef int _take_single(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes,
+                          const char *dtype16)
 
 
 cdef class Backoff:
@@ -89,6 +91,7 @@ cdef class Queues:
     cdef readonly list posted      # receives posted and not yet matched, in posting order
     cdef readonly dict rx          # source -> the record streaming in from it, or None
     cdef readonly list unexpected  # records that arrived before a receive asked for them
+    cdef readonly dict awaiting    # destination -> deque of single-copy sends not yet read by it
 
 
 @cython.final
@@ -141,6 +144,7 @@ cdef class Phaser:
     cdef object acquire, release
     cdef bytes barrier_desc
     cdef dict kinds                      # numpy dtype -> (reduce_rows kind, its name) for all_reduce
+    cdef object last_dtype, last_op, last_name, last_plan   # plan()'s last answer, by identity
     cdef uint64_t all_reduce_index
     cdef public int64_t trace_gid        # the group id its calls are recorded under (-1: not recorded)
     cdef public uint64_t tseq            # the flight-recorder entry of its last call
@@ -148,3 +152,4 @@ cdef class Phaser:
     cdef int _call(self, const char *desc, size_t nd, void *data, size_t nbytes, int kind,
                    int op) except -4
     cpdef object plan(self, dtype, op, name=*)
+    cdef object _plan(self, dtype, op, name)

@@ -12,9 +12,11 @@
  *                         (F16C's vcvtph2ps / vcvtps2ph give the same bits for
  *                         every value reached here: see sd_reduce_half).
  *
- * Three builds of the block kernels, chosen once at run time with
- * __builtin_cpu_supports: AVX-512 (F, BW, VL), AVX2 with F16C, and plain C
- * (any CPU, any architecture). The wheel never assumes the CPU it runs on. */
+ * Four builds of the block kernels, chosen once at run time with
+ * __builtin_cpu_supports: AVX-512 with its BF16 or FP16 instructions (level 3:
+ * see sd_bf16_fast512 and sd_f16_pair512), AVX-512 (F, BW, VL), AVX2 with
+ * F16C, and plain C (any CPU, any architecture). The wheel never assumes the
+ * CPU it runs on, nor a compiler that knows the newer instructions. */
 #ifndef SHMDIST_HALF_H
 #define SHMDIST_HALF_H
 #include <stdint.h>
@@ -314,6 +316,110 @@ static void sd_half_fast512(int f16, int op, uint16_t *out, const uint16_t *cons
     }
 }
 
+/* Level 3. The 16-bit instructions of newer AVX-512 CPUs, each where it gives
+ * numpy's bits exactly; a 32-element block whose result is a NaN (a NaN input,
+ * inf - inf, 0 * inf) or, bfloat16, a float32 denormal goes through the careful
+ * build (sd_half_avx512), as a block with a NaN input does in sd_half_fast512.
+ *
+ * bfloat16 (AVX512-BF16): widened and combined as in sd_half_fast512, rounded
+ * by vcvtne2ps2bf16, 32 elements in one instruction: round to nearest even,
+ * a NaN becomes (b >> 16) | 0x40, the integer formula's bits, except that it
+ * flushes a float32 denormal to zero (hence the careful build for those);
+ * vpermq puts back the order vpunpck*wd permuted.
+ *
+ * float16, SUM and PRODUCT of two inputs (AVX512-FP16): vaddph / vmulph round
+ * the exact result once to float16, and so does float32 arithmetic followed by
+ * one rounding: a float32 sum or product of two float16 values rounded to
+ * float16 is the correctly rounded one, because 24 >= 2 * 11 + 1 bits (double
+ * rounding is innocuous: Figueroa, "When is double rounding innocuous?", 1995);
+ * the product is even exact in float32. FP16 arithmetic handles denormals
+ * always. Three or more inputs, or AVG, round more than once that way: they
+ * stay in sd_half_fast512. */
+#if defined(__clang__)
+#define SD_HAVE_BF16_INSN (__clang_major__ >= 9)
+#define SD_HAVE_FP16_INSN (__clang_major__ >= 14)
+#else
+#define SD_HAVE_BF16_INSN (__GNUC__ >= 10)
+#define SD_HAVE_FP16_INSN (__GNUC__ >= 12)
+#endif
+
+#define SD_NAN_OR_DENORMAL 0xA1     /* vfpclassps: QNaN 0x01, denormal 0x20, SNaN 0x80 */
+#define SD_NAN 0x81
+
+/* the careful build for the 32 elements at ``i`` */
+#define SD_CAREFUL_BLOCK(F16)                                                        \
+    {                                                                                \
+        for (k = 0; k < n; k++) at[k] = ins[k] + i;                                  \
+        sd_half_avx512(F16, op, out + i, at, n, 32, div);                            \
+    }
+
+#if SD_HAVE_BF16_INSN
+__attribute__((target(SD_512_TARGET ",avx512bf16")))
+static void sd_bf16_fast512(int op, uint16_t *out, const uint16_t *const *ins, int n, size_t count,
+                            float div) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);   /* 64-bit pieces 0 4 1 5 2 6 3 7 */
+    const __m512 d = _mm512_set1_ps(div);
+    const uint16_t *at[64];
+    size_t i = 0;
+    int j, k;
+    for (; i + 32 <= count; i += 32) {
+        __m512i x = _mm512_loadu_si512((const void *)(ins[0] + i));
+        __m512 lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
+        __m512 hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+        for (j = 1; j < n; j++) {
+            x = _mm512_loadu_si512((const void *)(ins[j] + i));
+            if (op == SD_HPROD) {
+                lo = _mm512_mul_ps(lo, _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x)));
+                hi = _mm512_mul_ps(hi, _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x)));
+            } else {
+                lo = _mm512_add_ps(lo, _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x)));
+                hi = _mm512_add_ps(hi, _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x)));
+            }
+        }
+        if (op == SD_HAVG) {
+            lo = _mm512_div_ps(lo, d);
+            hi = _mm512_div_ps(hi, d);
+        }
+        if (_mm512_fpclass_ps_mask(lo, SD_NAN_OR_DENORMAL) | _mm512_fpclass_ps_mask(hi, SD_NAN_OR_DENORMAL)) {
+            SD_CAREFUL_BLOCK(0)
+            continue;
+        }
+        _mm512_storeu_si512((void *)(out + i),
+                            _mm512_permutexvar_epi64(order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+    if (i < count) {
+        for (k = 0; k < n; k++) at[k] = ins[k] + i;
+        sd_half_avx512(0, op, out + i, at, n, count - i, div);
+    }
+}
+#endif
+
+#if SD_HAVE_FP16_INSN
+__attribute__((target(SD_512_TARGET ",avx512fp16")))
+static void sd_f16_pair512(int op, uint16_t *out, const uint16_t *const *ins, size_t count) {
+    const uint16_t *at[2];
+    const int n = 2;
+    const float div = 2.0f;          /* not used: SUM and PRODUCT only */
+    size_t i = 0;
+    int k;
+    for (; i + 32 <= count; i += 32) {
+        __m512h a = _mm512_castsi512_ph(_mm512_loadu_si512((const void *)(ins[0] + i)));
+        __m512h b = _mm512_castsi512_ph(_mm512_loadu_si512((const void *)(ins[1] + i)));
+        __m512h r = op == SD_HPROD ? _mm512_mul_ph(a, b) : _mm512_add_ph(a, b);
+        if (_mm512_fpclass_ph_mask(r, SD_NAN)) {
+            SD_CAREFUL_BLOCK(1)
+            continue;
+        }
+        _mm512_storeu_si512((void *)(out + i), _mm512_castph_si512(r));
+    }
+    if (i < count) {
+        for (k = 0; k < n; k++) at[k] = ins[k] + i;
+        sd_half_avx512(1, op, out + i, at, n, count - i, div);
+    }
+}
+#endif
+
 __attribute__((target("avx2,f16c")))
 static inline __m256 sd256_load(int f16, const uint16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
@@ -360,9 +466,12 @@ static void sd_half_avx2(int f16, int op, uint16_t *out, const uint16_t *const *
 }
 #endif
 
-/* 2: AVX-512, 1: AVX2 + F16C, 0: plain C. sd_half_limit caps it (tests). */
+/* 3: AVX-512 with BF16 or FP16 instructions (each used where this CPU has it:
+ * sd_half_bf16, sd_half_fp16), 2: AVX-512, 1: AVX2 + F16C, 0: plain C.
+ * sd_half_limit caps it (tests). */
 static int sd_half_detected = -1;
-static int sd_half_limit = 2;
+static int sd_half_limit = 3;
+static int sd_half_bf16 = 0, sd_half_fp16 = 0;
 
 static inline void sd_half_set_limit(int level) { sd_half_limit = level; }
 
@@ -376,6 +485,16 @@ static inline int sd_half_level(void) {
         if (level && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
             level = 2;
+#if SD_HAVE_BF16_INSN
+        if (level == 2 && __builtin_cpu_supports("avx512bf16"))
+            sd_half_bf16 = 1;
+#endif
+#if SD_HAVE_FP16_INSN
+        if (level == 2 && __builtin_cpu_supports("avx512fp16"))
+            sd_half_fp16 = 1;
+#endif
+        if (sd_half_bf16 || sd_half_fp16)
+            level = 3;
 #endif
         sd_half_detected = level;
     }
@@ -395,7 +514,19 @@ static void sd_reduce_half(int f16, int op, uint16_t *out, const uint16_t *const
         return;
     }
 #if SD_X86
-    if (level == 2) {
+#if SD_HAVE_FP16_INSN
+    if (level == 3 && f16 && sd_half_fp16 && n == 2 && (op == SD_HSUM || op == SD_HPROD)) {
+        sd_f16_pair512(op, out, ins, count);
+        return;
+    }
+#endif
+#if SD_HAVE_BF16_INSN
+    if (level == 3 && !f16 && sd_half_bf16 && n <= 64) {
+        sd_bf16_fast512(op, out, ins, n, count, div);
+        return;
+    }
+#endif
+    if (level >= 2) {
         if (n <= 64) sd_half_fast512(f16, op, out, ins, n, count, div);
         else sd_half_avx512(f16, op, out, ins, n, count, div);
         return;

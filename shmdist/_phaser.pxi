@@ -134,6 +134,14 @@ cdef class Phaser:
         bitwise ops, and MIN/MAX of floats, whose NaN rules are numpy's).
         ``name``: the buffer's dtype name when numpy's differs from it
         ("bfloat16" travels as uint16 arrays)."""
+        if dtype is self.last_dtype and op is self.last_op and name is self.last_name:
+            return self.last_plan          # the same call as last time (numpy hashes a dtype slowly)
+        answer = self._plan(dtype, op, name)
+        self.last_dtype, self.last_op, self.last_name, self.last_plan = dtype, op, name, answer
+        return answer
+
+    cdef object _plan(self, dtype, op, name):
+        cdef long code
         plan = _BF16_PLAN if name == "bfloat16" else self.kinds.get(dtype)
         if plan is None or not PyLong_Check(op):
             return None

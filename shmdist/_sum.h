@@ -61,7 +61,7 @@ static int sd_reduce_float(int f64, int op, void *out, const void *const *ins, i
     int level = sd_half_level();
     if ((op != 0 && op != 1) || n < 1)
         return 0;
-    if (level == 2) {
+    if (level >= 2) {
         if (f64) sd_sum_f64_512(op, (double *)out, (const double *const *)ins, n, count);
         else sd_sum_f32_512(op, (float *)out, (const float *const *)ins, n, count);
         return 1;

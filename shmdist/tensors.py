@@ -155,52 +155,64 @@ def typed_view(buf: Buf) -> np.ndarray | None:
 
 # ---------------------------------------------------------------- numpy views of torch tensors, cached
 
-_VIEWS: dict = {}   # data_ptr -> (shape, strides, torch dtype, numpy view of exactly that memory)
+_VIEWS: dict = {}   # data_ptr -> (shape, torch dtype, numpy view of exactly that memory, complex?)
 _MAX_VIEWS = 64
-_NUMPY_OF: dict = {}   # torch dtype -> numpy dtype, for the dtypes numpy has
+_NUMPY_OF: dict = {}   # torch dtype -> numpy dtype, for the dtypes numpy has (bfloat16: BF16_BITS)
 _COMPLEX: tuple = ()
+_BF16 = None           # torch.bfloat16
+# bfloat16 as its uint16 bits: uint16 in everything numpy does, but its own dtype object, so that
+# ``view.dtype is BF16_BITS`` tells a bfloat16 tensor's view from a uint16 one's in one compare
+BF16_BITS = np.dtype(np.uint16, metadata={"shmdist": "bfloat16"})
 
 
 def _numpy_dtypes(torch) -> None:
-    global _COMPLEX
+    global _COMPLEX, _BF16
     for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
                  "uint32", "uint64", "bool", "complex64", "complex128"):
         if hasattr(torch, name):
             _NUMPY_OF[getattr(torch, name)] = np.dtype(name)
+    _BF16 = torch.bfloat16
+    _NUMPY_OF[_BF16] = BF16_BITS
     _COMPLEX = (torch.complex64, torch.complex128)
 
 
-def numpy_view(t) -> np.ndarray | None:
+def numpy_view(t, bits: bool = False) -> np.ndarray | None:
     """A numpy view of a plain C-contiguous CPU torch tensor's memory (what
     ``t.numpy()`` gives), else None (another device or layout, a conjugate
-    or negative bit, a dtype numpy lacks such as bfloat16, not contiguous,
-    empty): what the fast paths take.
+    or negative bit, a dtype numpy lacks, not contiguous, empty): what the
+    fast paths take. ``bits``: a bfloat16 tensor too, as a view of dtype
+    BF16_BITS (its uint16 bits; only the reductions, which are told the
+    dtype's name, may take it: everywhere else it would pass for uint16).
 
     The view is made here, not by ``t.numpy()``: that call costs about as
     much as all the rest of an 8-byte send, and it marks the tensor's storage
     as not resizable (torch's rule for memory numpy shares), so a tensor
     once sent could no longer be resized, which gloo does not do. The view
     is kept, under what it is a view of: the address of the first element,
-    the shape, the strides and the dtype, all read from the tensor on every
-    call. A tensor changed in place (``set_``, ``resize_``, ``as_strided_``,
-    ``.data = ...``) or another tensor has another layout unless it has
-    exactly the same memory and layout, and then the kept view is exactly
-    right: a view does not own its memory (it holds no tensor or storage, so
-    the cache keeps nothing alive) and is only handed to a caller that
-    holds a tensor with that memory, for the duration of a call (a pending
-    receive keeps its tensor). A tensor with the negative (or, complex, the
-    conjugate) bit set is never served from the cache."""
+    the shape and the dtype, all read from the tensor on every call, which
+    must be C-contiguous (as every kept view's tensor was: the same shape and
+    contiguity make the same memory). A tensor changed in place (``set_``,
+    ``resize_``, ``as_strided_``, ``.data = ...``) or another tensor has
+    another layout unless it has exactly the same memory and layout, and
+    then the kept view is exactly right: a view does not own its memory (it
+    holds no tensor or storage, so the cache keeps nothing alive) and is
+    only handed to a caller that holds a tensor with that memory, for the
+    duration of a call (a pending receive keeps its tensor). A tensor with
+    the negative (or, complex, the conjugate) bit set is never served from
+    the cache."""
     ptr = t.data_ptr()
     kept = _VIEWS.get(ptr)
-    if kept is not None and kept[2] is t.dtype and kept[0] == t.shape and kept[1] == t.stride() \
-            and not t.is_neg() and (kept[2] not in _COMPLEX or not t.is_conj()):
-        return kept[3]
+    if kept is not None:
+        dtype = kept[1]
+        if dtype is t.dtype and kept[0] == t.shape and t.is_contiguous() and not t.is_neg() \
+                and (bits or dtype is not _BF16) and (not kept[3] or not t.is_conj()):
+            return kept[2]
     torch = sys.modules["torch"]
     if not _NUMPY_OF:
         _numpy_dtypes(torch)
     dtype = _NUMPY_OF.get(t.dtype)
-    if dtype is None or t.layout is not torch.strided or not t.is_cpu or t.is_neg() or t.is_conj() \
-            or not t.is_contiguous() or ptr == 0:
+    if dtype is None or (dtype is BF16_BITS and not bits) or t.layout is not torch.strided or not t.is_cpu \
+            or t.is_neg() or t.is_conj() or not t.is_contiguous() or ptr == 0:
         return None
     nbytes = t.numel() * dtype.itemsize
     if nbytes == 0:
@@ -208,5 +220,5 @@ def numpy_view(t) -> np.ndarray | None:
     view = np.ndarray(tuple(t.shape), dtype, buffer=(ctypes.c_char * nbytes).from_address(ptr))
     if len(_VIEWS) >= _MAX_VIEWS:
         _VIEWS.clear()
-    _VIEWS[ptr] = (t.shape, t.stride(), t.dtype, view)
+    _VIEWS[ptr] = (t.shape, t.dtype, view, t.dtype in _COMPLEX)
     return view

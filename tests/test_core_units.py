@@ -19,7 +19,7 @@ LEVELS = list(range(_core.half_level() + 1))
 @pytest.fixture(autouse=True)
 def all_builds():
     yield
-    _core.set_half_limit(2)
+    _core.set_half_limit(99)     # no cap: the best build this CPU has
 
 
 def numpy_reduce(inputs, op, dtype, count):

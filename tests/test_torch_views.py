@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -97,7 +98,7 @@ def test_the_cache_keeps_no_memory_alive():
     del t
     gc.collect()
     assert gone() is None and storage() is None
-    assert all(not isinstance(getattr(v[3], "base", None), torch.Tensor) for v in tensors._VIEWS.values())
+    assert all(not isinstance(getattr(v[-1], "base", None), torch.Tensor) for v in tensors._VIEWS.values())
 
 
 def test_autograd_and_other_layouts_stay_off_the_fast_path():
@@ -109,6 +110,26 @@ def test_autograd_and_other_layouts_stay_off_the_fast_path():
     assert fast.paths.array(t) is not None
     assert fast.paths.array(torch.zeros(4, 4).t()) is None          # not contiguous: the general path
     assert fast.paths.array(torch.zeros(4).to_sparse()) is None
+
+
+def test_bfloat16_bits_are_served_to_the_reductions_only():
+    """all_reduce takes a bfloat16 tensor as a cached view of its uint16 bits,
+    of a dtype of its own (tensors.BF16_BITS); send/recv never get that view,
+    nor does a uint16 tensor over the same memory pass for bfloat16."""
+    t = torch.arange(8, dtype=torch.float32).to(torch.bfloat16)
+    bits = fast.paths.array(t, True)
+    assert bits is not None and bits.dtype is tensors.BF16_BITS and bits.dtype == np.uint16
+    assert bits.ctypes.data == t.data_ptr() and bits.shape == (8,)
+    assert fast.paths.array(t, True) is bits                       # from the cache
+    assert bits.tolist() == t.clone().view(torch.int16).numpy().view(np.uint16).tolist()
+    assert fast.paths.array(t) is None                             # p2p: the general path
+    if hasattr(torch, "uint16"):
+        u = t.view(torch.uint16)                                   # same address and shape, another dtype
+        assert fast.paths.array(u, True).dtype is not tensors.BF16_BITS
+        assert fast.paths.array(t, True).dtype is tensors.BF16_BITS
+    assert fast.paths.array(torch._neg_view(t), True) is None
+    t.resize_(16)
+    assert fast.paths.array(t, True).shape == (16,)
 
 
 def p2p_after_in_place_changes(rank, world_size, init_method):

@@ -24,7 +24,7 @@ from shmdist.reduce_ops import ReduceOp, as_op, check, reduce_into
 from shmdist.request import completed
 from shmdist import _core
 from shmdist.transport.engine import COLLECTIVE_GID
-from shmdist.tensors import Buf, as_buf, describe, typed_view
+from shmdist.tensors import BF16_BITS, Buf, as_buf, describe, typed_view
 from shmdist.comm import shared as _shared
 
 
@@ -170,16 +170,14 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     if _shared.live and getattr(tensor, "nbytes", 0) > _shared.IN_PLACE_MIN:
         quick = False                     # maybe shmdist.empty memory: in place, below
     if quick and group is None and _fast.lane is not None:    # the default group's, before any other work
-        arr, name = tensor, None
-        if tensor.__class__ is not np.ndarray:
-            arr = _fast.array(tensor)                      # None for bfloat16 (numpy has no such dtype)
-            if arr is None:
-                arr, name = _fast.bf16(tensor), "bfloat16"
+        arr = tensor if tensor.__class__ is np.ndarray else _fast.array(tensor, True)   # bfloat16: its bits
         coll = _fast.coll
-        if name is not None and not getattr(coll, "quick_names", False):
-            arr = None          # a comm whose quick path takes no dtype name (groups spanning hosts)
-        if arr is not None and (coll.quick_all_reduce(arr, op, _fast.world.timeout) if name is None else
-                                coll.quick_all_reduce(arr, op, _fast.world.timeout, name)):
+        if arr is not None and arr.dtype is BF16_BITS:
+            ok = getattr(coll, "quick_names", False) and coll.quick_all_reduce(arr, op, _fast.world.timeout,
+                                                                               "bfloat16")
+        else:         # (a comm whose quick path takes no dtype name, groups spanning hosts: not bfloat16)
+            ok = arr is not None and coll.quick_all_reduce(arr, op, _fast.world.timeout)
+        if ok:
             return completed("all_reduce", [tensor]) if async_op else None
         quick = False
     w, g, comm = _enter("all_reduce", group)

@@ -55,10 +55,14 @@ class FastPaths:
     def rounds_in_c(self) -> bool:
         return self.enabled and self.c_rounds
 
-    def array(self, tensor) -> np.ndarray | None:
+    def array(self, tensor, bits: bool = False) -> np.ndarray | None:
         """``tensor`` itself when it is a numpy array, a numpy view of a plain
         torch CPU tensor (no autograd, no conjugate or negative bit, a dtype
-        numpy has), else None: what the fast paths may take."""
+        numpy has), else None: what the fast paths may take. ``bits``: a
+        bfloat16 tensor too, as a uint16 view of dtype tensors.BF16_BITS
+        (``view.dtype is BF16_BITS`` tells it); only for the quick all_reduce,
+        which is told the dtype's name: the lane's dtype table is keyed by
+        numpy dtype, where bfloat16 and uint16 look alike."""
         if tensor.__class__ is np.ndarray:
             return tensor
         if tensor.__class__ is not self._tensor:
@@ -70,23 +74,8 @@ class FastPaths:
         if tensor.requires_grad:
             return None
         try:
-            return numpy_view(tensor)                   # tensor.numpy()'s view, cached (shmdist.tensors)
+            return numpy_view(tensor, bits)             # tensor.numpy()'s view, cached (shmdist.tensors)
         except (RuntimeError, TypeError, ValueError):   # data_ptr() of a layout that has none
-            return None
-
-    def bf16(self, tensor) -> np.ndarray | None:
-        """The bits of a plain torch CPU bfloat16 tensor as a uint16 numpy view
-        (what array() gives for other dtypes), else None. Only for the quick
-        all_reduce, which is told the dtype's name: the lane's dtype table is
-        keyed by numpy dtype, where bfloat16 and uint16 look alike."""
-        if tensor.__class__ is not self._tensor:       # set by array()'s first torch tensor
-            return None
-        torch = sys.modules["torch"]
-        if tensor.dtype is not torch.bfloat16 or tensor.requires_grad or tensor.is_neg():
-            return None
-        try:
-            return tensor.view(torch.int16).numpy().view(np.uint16)
-        except (RuntimeError, TypeError, ValueError):   # another device or layout
             return None
 
     def learn(self, engine, tensor, buf) -> None:

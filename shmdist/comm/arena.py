@@ -40,7 +40,12 @@ _DESC = layout.DESC                   # 0 (reserved), kind, bytes, op, root, dty
 KINDS = layout.KINDS
 SLOT_ENV = "SHMDIST_ARENA_BYTES"      # bytes per member and buffer; two buffers each (settings.py)
 SMALL_ALLREDUCE = 64 << 10            # up to this, every rank reduces the whole vector itself
-SMALL_ALLREDUCE_PAIR = 1 << 20       # the same for 2 ranks: one phase, not 3, for the same bytes moved (perf)
+# The same for 2 ranks, up to 512 KiB: one phase, not 3, for the same bytes moved. Above it the C rounds
+# win: a rank reduces half the vector, and its working set (data, its copy, the other's, 3 x the vector)
+# no longer fits a core's 2 MiB L2 at 1 MiB. One rank's work at 2 ranks, float32 (CPU time in one
+# process, best of 9, bench/pair_allreduce_cost.py, two runs at load 15-21): 512 KiB 36 vs 42 and 32 vs 28 us
+# (a draw), 768 KiB 69 vs 71 and 61 vs 46, 1 MiB 149 vs 99 and 138 vs 64 (quick vs the 512 KiB rounds).
+SMALL_ALLREDUCE_PAIR = 512 << 10
 LIVENESS_PERIOD = 0.2
 ROUND_ENV = "SHMDIST_ROUND_BYTES"     # most elements' bytes per round of a large all_reduce (settings.py)
 # More members than cores: every phase waits until each member has been scheduled, so fewer, longer
@@ -352,6 +357,14 @@ class GroupComm:
             return True
         if how == BROKEN or how == NOT_TAKEN:
             return False
+        self._finish_quick_all_reduce(arr, op, timeout, dtype_name, how)
+        return True
+
+    def _finish_quick_all_reduce(self, arr: np.ndarray, op: ReduceOp, timeout: float,
+                                 dtype_name: str | None, how: int) -> None:
+        """quick_all_reduce when the others were not all there yet (NOT_YET)
+        or the calls differ (DIFFER); apart, so that the common call makes no
+        closure."""
         kind, code, _ = self.ph.plan(arr.dtype, op, dtype_name)
         what = lambda: f"all_reduce({op.name}, {describe(arr.nbytes, arr.dtype.name, arr.shape)})"
         try:                              # the Phaser left the lock held
@@ -362,7 +375,6 @@ class GroupComm:
                               self.n, arr.size)
         finally:
             self.lock.release()
-        return True
 
     def all_reduce(self, buf, arr: np.ndarray, op: ReduceOp, timeout: float, root: int = -1) -> None:
         """Every rank (or only ``root``, for reduce) ends with the reduction.
