@@ -7,6 +7,9 @@ CAUSE_BYTES = SD_CAUSE_BYTES
 
 
 def ctl_set_pid(size_t ctl, uint32_t pid):
+    sd_store64(<uint64_t *>(ctl + SD_CTL_READS), 0)
+    sd_store64(<uint64_t *>(ctl + SD_CTL_PROBED), 0)
+    sd_store64(<uint64_t *>(ctl + SD_CTL_ADDR), ctl)    # where the owner sees it: peers probe it there
     sd_store32(_u32(ctl + SD_CTL_PID), pid)
     memset(<void *>(ctl + SD_CTL_CAUSE), 0, CAUSE_BYTES)
     sd_store32(_u32(ctl + SD_CTL_CLOSED), 0)
@@ -20,6 +23,30 @@ def ctl_close(size_t ctl, bytes cause=b""):
     memset(<void *>(ctl + SD_CTL_CAUSE), 0, CAUSE_BYTES)
     memcpy(<void *>(ctl + SD_CTL_CAUSE), PyBytes_AS_STRING(cause), n)
     sd_store32(_u32(ctl + SD_CTL_CLOSED), 1)
+
+
+def ctl_addr(size_t ctl):
+    """The address of ``ctl`` in its owner's memory (0 before it set its pid)."""
+    return sd_load64(<uint64_t *>(ctl + SD_CTL_ADDR))
+
+
+def ctl_probed(size_t ctl, int index, bint readable):
+    """The owner of ``ctl`` records whether it can read local rank ``index``'s memory."""
+    cdef uint64_t bit = (<uint64_t>1) << index
+    if readable:
+        sd_store64(<uint64_t *>(ctl + SD_CTL_READS), sd_load64(<uint64_t *>(ctl + SD_CTL_READS)) | bit)
+    sd_fence()
+    sd_store64(<uint64_t *>(ctl + SD_CTL_PROBED), sd_load64(<uint64_t *>(ctl + SD_CTL_PROBED)) | bit)
+
+
+def ctl_reads(size_t ctl, int index):
+    """Whether the owner of ``ctl`` can read local rank ``index``'s memory:
+    True, False, or None while it has not probed it yet."""
+    cdef uint64_t bit = (<uint64_t>1) << index
+    if not sd_load64(<uint64_t *>(ctl + SD_CTL_PROBED)) & bit:
+        return None
+    sd_fence()
+    return bool(sd_load64(<uint64_t *>(ctl + SD_CTL_READS)) & bit)
 
 
 def ctl_closed(size_t ctl):
@@ -134,3 +161,33 @@ cdef inline void _copy(void *dst, const void *src, size_t n) noexcept:
 def copy(size_t dst, size_t src, size_t n):
     """memcpy between two addresses, without the GIL for large copies."""
     _copy(<void *>dst, <const void *>src, n)
+
+
+# ---------------------------------------------------------------- single copy
+
+def cma_read(int pid, size_t dst, size_t src, size_t n):
+    """Copy ``n`` bytes at address ``src`` of process ``pid`` to ``dst`` in
+    this one, in one copy (process_vm_readv), without the GIL. Returns 0, or
+    the errno that stopped it (ESRCH: the process is gone; EPERM: ptrace
+    rules or seccomp refuse; EFAULT: the address is not mapped there)."""
+    cdef iovec local, remote
+    cdef ssize_t got
+    cdef size_t done = 0
+    cdef int err = 0
+    with nogil:
+        while done < n:
+            local.iov_base = <void *>(dst + done)
+            local.iov_len = n - done
+            remote.iov_base = <void *>(src + done)
+            remote.iov_len = n - done
+            got = process_vm_readv(pid, &local, 1, &remote, 1, 0)
+            if got < 0:
+                if errno == EINTR:
+                    continue
+                err = errno
+                break
+            if got == 0:
+                err = EFAULT
+                break
+            done += <size_t>got
+    return err

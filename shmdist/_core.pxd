@@ -58,6 +58,8 @@ cdef class Ring:
                         uint64_t total) noexcept nogil
     cdef void _room(self) noexcept nogil
     cdef int _take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, const char *dtype16)
+    cdef int _take_single(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes,
+                          const char *dtype16)
 
 
 cdef class Backoff:
@@ -89,6 +91,7 @@ cdef class Queues:
     cdef readonly list posted      # receives posted and not yet matched, in posting order
     cdef readonly dict rx          # source -> the record streaming in from it, or None
     cdef readonly list unexpected  # records that arrived before a receive asked for them
+    cdef readonly dict awaiting    # destination -> deque of single-copy sends not yet read by it
 
 
 @cython.final

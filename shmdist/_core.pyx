@@ -16,6 +16,15 @@ from shmdist._core cimport (sd_load64, sd_store64, sd_load32, sd_store32, sd_add
                             sd_copy_nt, sd_reduce_half, sd_half_level, sd_half_set_limit,
                             sd_reduce_float, sd_tr_post, sd_tr_set, sd_tr_attach)
 
+cdef extern from "sys/uio.h" nogil:
+    struct iovec:
+        void *iov_base
+        size_t iov_len
+    ssize_t process_vm_readv(int pid, const iovec *local, unsigned long liovcnt,
+                             const iovec *remote, unsigned long riovcnt, unsigned long flags)
+
+from libc.errno cimport errno, EINTR, EFAULT
+
 include "_layout.pxi"     # every layout and code shared with Python (generated from layout.py)
 
 cdef enum:

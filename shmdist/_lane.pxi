@@ -26,6 +26,7 @@ cdef class Queues:
         self.posted = []
         self.rx = dict.fromkeys(sources)
         self.unexpected = []
+        self.awaiting = {}
 
 
 cdef class _Pend:
@@ -221,8 +222,8 @@ cdef class Lane:
         req.tensors = [arr]
         self.acquire()
         try:
-            if self.q.posted or self.q.unexpected or self.q.rx[isrc] is not None:
-                return None
+            if self.q.posted or self.q.unexpected or self.q.rx[isrc] is not None or self.q.awaiting:
+                return None     # (a single-copy send may be read from this very buffer: the engine checks)
             ahead = False
             for p in self.pend:
                 if p.src == isrc:
@@ -320,7 +321,7 @@ cdef class Lane:
         their records come. True when it completed; else every pending
         receive is posted to the engine, which waits for it."""
         cdef _Pend p, mine, first = None
-        cdef uint64_t total, t
+        cdef uint64_t total, t, h
         cdef long i
         cdef int how
         if req._done:
@@ -346,8 +347,11 @@ cdef class Lane:
             t = sd_load64(first.ring.tail)
             with nogil:
                 for i in range(spin):
-                    if sd_load64(first.ring.head) - t >= total:
+                    h = sd_load64(first.ring.head) - t
+                    if h >= total:
                         break
+                    if h >= SD_HEADER_BYTES and _single_copy_at(first.ring, t):
+                        break       # a single-copy record: shorter than the message, the engine's
                     sd_relax()
         self.acquire()
         try:

@@ -12,6 +12,8 @@ cdef extern from "_layout.h" nogil:
         SD_HDR_TAG
         SD_HDR_GID
         SD_HDR_SRC
+        SD_HDR_FLAGS
+        SD_HDR_SINGLE_COPY
         SD_HDR_NBYTES
         SD_HDR_DTYPE
         SD_HDR_DIMS
@@ -19,6 +21,9 @@ cdef extern from "_layout.h" nogil:
         SD_CTL_BYTES
         SD_CTL_PID
         SD_CTL_CLOSED
+        SD_CTL_ADDR
+        SD_CTL_READS
+        SD_CTL_PROBED
         SD_CTL_BELL
         SD_CTL_SLEEPING
         SD_CTL_PHASE_SLEEPING
@@ -28,6 +33,7 @@ cdef extern from "_layout.h" nogil:
         SD_RING_HEAD
         SD_RING_TAIL
         SD_RING_WANT
+        SD_RING_ACKED
         SD_RING_MIN_BYTES
         SD_SLOT_STRIDE
         SD_SLOT_PHASE
@@ -112,6 +118,8 @@ C_LAYOUT = {
     "SD_HDR_TAG": SD_HDR_TAG,
     "SD_HDR_GID": SD_HDR_GID,
     "SD_HDR_SRC": SD_HDR_SRC,
+    "SD_HDR_FLAGS": SD_HDR_FLAGS,
+    "SD_HDR_SINGLE_COPY": SD_HDR_SINGLE_COPY,
     "SD_HDR_NBYTES": SD_HDR_NBYTES,
     "SD_HDR_DTYPE": SD_HDR_DTYPE,
     "SD_HDR_DIMS": SD_HDR_DIMS,
@@ -119,6 +127,9 @@ C_LAYOUT = {
     "SD_CTL_BYTES": SD_CTL_BYTES,
     "SD_CTL_PID": SD_CTL_PID,
     "SD_CTL_CLOSED": SD_CTL_CLOSED,
+    "SD_CTL_ADDR": SD_CTL_ADDR,
+    "SD_CTL_READS": SD_CTL_READS,
+    "SD_CTL_PROBED": SD_CTL_PROBED,
     "SD_CTL_BELL": SD_CTL_BELL,
     "SD_CTL_SLEEPING": SD_CTL_SLEEPING,
     "SD_CTL_PHASE_SLEEPING": SD_CTL_PHASE_SLEEPING,
@@ -128,6 +139,7 @@ C_LAYOUT = {
     "SD_RING_HEAD": SD_RING_HEAD,
     "SD_RING_TAIL": SD_RING_TAIL,
     "SD_RING_WANT": SD_RING_WANT,
+    "SD_RING_ACKED": SD_RING_ACKED,
     "SD_RING_MIN_BYTES": SD_RING_MIN_BYTES,
     "SD_SLOT_STRIDE": SD_SLOT_STRIDE,
     "SD_SLOT_PHASE": SD_SLOT_PHASE,

@@ -3,6 +3,13 @@
 
 # ---------------------------------------------------------------- rings
 
+cdef inline bint _single_copy_at(Ring ring, uint64_t t) noexcept nogil:
+    """Whether the record at ``t`` (its header there) is a single copy's."""
+    cdef int32_t flags
+    memcpy(&flags, ring.data + ((t + SD_HDR_FLAGS) & ring.mask), 4)   # never wraps: records are 64-aligned
+    return flags != 0
+
+
 cdef class Ring:
     """One single-producer, single-consumer byte ring in shared memory.
 
@@ -153,8 +160,61 @@ cdef class Ring:
         header says (tag, group, byte count, dtype): copy the payload to
         ``addr`` and return DONE. Return NOT_YET when no complete record is
         there, OTHER_RECORD when the next record is another one (the caller
-        then reads the header itself). Header layout: layout.HEADER."""
-        return self._take(tag, gid, addr, nbytes, PyBytes_AS_STRING(dtype16))
+        then reads the header itself). Header layout: layout.HEADER.
+        A single-copy record of that message is read from the sender's
+        memory and acknowledged here too; if the read fails, the record is
+        left for the caller (OTHER_RECORD), which reads it again and reports."""
+        cdef int got = self._take(tag, gid, addr, nbytes, PyBytes_AS_STRING(dtype16))
+        if got == SD_OTHER_RECORD:
+            got = self._take_single(tag, gid, addr, nbytes, PyBytes_AS_STRING(dtype16))
+        return got
+
+    cdef int _take_single(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes,
+                          const char *dtype16):
+        cdef uint64_t t = sd_load64(self.tail)
+        cdef uint64_t total = _record(16)
+        cdef uint8_t hdr[SD_HEADER_BYTES]
+        cdef uint64_t meta[2]
+        cdef int64_t htag, hgid
+        cdef uint64_t hbytes
+        cdef int32_t flags
+        cdef ssize_t got
+        cdef size_t done = 0
+        cdef iovec local, remote
+        cdef uint64_t *acked
+        if self.cached_head - t < total:
+            self.cached_head = sd_load64(self.head)
+            if self.cached_head - t < total:
+                return SD_OTHER_RECORD
+        self._get(t, hdr, SD_HEADER_BYTES)
+        memcpy(&flags, hdr + SD_HDR_FLAGS, 4)
+        memcpy(&htag, hdr + SD_HDR_TAG, 8)
+        memcpy(&hgid, hdr + SD_HDR_GID, 8)
+        memcpy(&hbytes, hdr + SD_HDR_NBYTES, 8)
+        if (flags != SD_HDR_SINGLE_COPY or htag != tag or hgid != gid or hbytes != nbytes
+                or memcmp(hdr + SD_HDR_DTYPE, dtype16, SD_DTYPE_BYTES)):
+            return SD_OTHER_RECORD
+        self._get(t + SD_HEADER_BYTES, <uint8_t *>meta, 16)
+        with nogil:
+            while done < nbytes:
+                local.iov_base = <void *>(addr + done)
+                local.iov_len = nbytes - done
+                remote.iov_base = <void *>(<size_t>meta[1] + done)
+                remote.iov_len = nbytes - done
+                got = process_vm_readv(<int>meta[0], &local, 1, &remote, 1, 0)
+                if got < 0 and errno == EINTR:
+                    continue
+                if got <= 0:
+                    break
+                done += <size_t>got
+        if done < nbytes:
+            return SD_OTHER_RECORD
+        sd_store64(self.tail, t + total)
+        self._room()
+        acked = <uint64_t *>(<size_t>self.head - SD_RING_HEAD + SD_RING_ACKED)
+        sd_store64(acked, sd_load64(acked) + 1)
+        _ring_traffic(self.other_ctl)
+        return SD_DONE
 
     cdef int _take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, const char *dtype16):
         cdef uint64_t t = sd_load64(self.tail)
@@ -162,11 +222,17 @@ cdef class Ring:
         cdef uint8_t hdr[SD_HEADER_BYTES]
         cdef int64_t htag, hgid
         cdef uint64_t hbytes
+        cdef int32_t flags
         if self.cached_head - t < total:
             self.cached_head = sd_load64(self.head)
             if self.cached_head - t < total:
-                return SD_NOT_YET
+                if self.cached_head - t < SD_HEADER_BYTES:
+                    return SD_NOT_YET
+                return SD_OTHER_RECORD if _single_copy_at(self, t) else SD_NOT_YET  # single copy: the engine's
         self._get(t, hdr, SD_HEADER_BYTES)
+        memcpy(&flags, hdr + SD_HDR_FLAGS, 4)
+        if flags:
+            return SD_OTHER_RECORD
         memcpy(&htag, hdr + SD_HDR_TAG, 8)
         memcpy(&hgid, hdr + SD_HDR_GID, 8)
         memcpy(&hbytes, hdr + SD_HDR_NBYTES, 8)
@@ -180,6 +246,21 @@ cdef class Ring:
         sd_store64(self.tail, t + total)
         self._room()
         return SD_DONE
+
+    def room(self):
+        """Producer side: bytes free in the ring now."""
+        self.cached_tail = sd_load64(self.tail)
+        return self.size - (sd_load64(self.head) - self.cached_tail)
+
+    def acked(self):
+        """Producer side: single-copy records the consumer has read, ever."""
+        return sd_load64(<uint64_t *>(<size_t>self.head - SD_RING_HEAD + SD_RING_ACKED))
+
+    def ack(self):
+        """Consumer side: one more single-copy record read; wake the producer."""
+        cdef uint64_t *acked = <uint64_t *>(<size_t>self.head - SD_RING_HEAD + SD_RING_ACKED)
+        sd_store64(acked, sd_load64(acked) + 1)
+        _ring_traffic(self.other_ctl)
 
     def peek(self):
         """The next record's header, or None when it has not arrived."""

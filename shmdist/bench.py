@@ -219,6 +219,40 @@ def ds_shm_entries(port: int) -> list[str]:
     return glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*")
 
 
+# What MPI libraries put in /dev/shm: Open MPI's shared-memory segment per job and node stays when
+# its ranks exit (one 16 MiB file per launch, seen with the pip wheel of 5.0), so the run removes the
+# ones its own launches left.
+MPI_SHM_PREFIXES = ("sm_segment.", "vader_segment.", "mpich_shar_tmp")
+
+
+def mpi_shm_entries() -> set[str]:
+    return {os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if n.startswith(MPI_SHM_PREFIXES)} \
+        if os.path.isdir("/dev/shm") else set()
+
+
+def mapped_anywhere(paths: set[str]) -> set[str]:
+    """Those of ``paths`` that a live process still maps (another job's: left alone)."""
+    found = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                text = f.read()
+        except OSError:
+            continue
+        found |= {p for p in paths if p in text}
+    return found
+
+
+def remove_mpi_leftovers(before: set[str]) -> None:
+    """Remove the MPI files in /dev/shm that appeared since ``before`` and no live process maps."""
+    new = mpi_shm_entries() - before
+    for path in new - mapped_anywhere(new):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 class MpiComm:
     def __init__(self):
         from mpi4py import MPI
@@ -475,13 +509,18 @@ def find_mpis(pythons) -> tuple[list[Backend], list[str]]:
     """An mpi4py backend for every interpreter whose mpi4py loads and that
     has an mpiexec beside it (else on PATH); one per MPI library."""
     found, notes = [], []
+    # MPI_Get_library_version may be called before MPI_Init: the probe starts no MPI (a singleton
+    # init would leave Open MPI's segment file in /dev/shm)
+    probe = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print(MPI.Get_library_version())"
     for py in pythons:
+        before = mpi_shm_entries()
         try:
-            out = subprocess.run([py, "-I", "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"],
-                                 capture_output=True, text=True, timeout=60)
+            out = subprocess.run([py, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as e:
             notes.append(f"mpi4py under {py}: {e}")
             continue
+        finally:
+            remove_mpi_leftovers(before)
         if out.returncode != 0:
             last = (out.stderr.strip().splitlines() or ["no output"])[-1]
             notes.append(f"mpi4py under {py} does not load ({last}); pip install mpich mpi4py")
@@ -616,11 +655,13 @@ def launch(b: Backend, world: int, points: list[Point], settings: dict, timeout:
         argvs = [[b.python, *start, *common, "--rank", str(r), "--port", str(port)] for r in range(world)]
         envs = [ds_env(world, r, port) if b.key == "deepspeed" else None for r in range(world)]
     procs, errs = [], []
+    shm_before = mpi_shm_entries() if b.key == "mpi" else None
     for i, (argv, env) in enumerate(zip(argvs, envs)):
         err = open(os.path.join(logdir, f"{b.key}-{world}-{i}.err"), "w+")
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
                                       stderr=err, text=True, start_new_session=True, env=env))
         procs[-1].ds_port = port if b.key == "deepspeed" else None
+        procs[-1].shm_before = shm_before
         errs.append(err)
     return procs, errs
 
@@ -647,6 +688,8 @@ def stop(procs, errs, kill: bool) -> None:
     for p in procs[:1]:
         for path in ds_shm_entries(p.ds_port) if getattr(p, "ds_port", None) else []:
             os.unlink(path)
+        if getattr(p, "shm_before", None) is not None:
+            remove_mpi_leftovers(p.shm_before)
     for e in errs:
         e.close()
 

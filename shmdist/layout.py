@@ -22,7 +22,7 @@ MAGIC = 0x444D4853            # "SHMD"
 VERSION = 1
 MAX_DIMS = 8                  # dims carried in a header; more still work, by element count
 DTYPE_BYTES = 16              # the dtype name, NUL-padded
-# magic, version, ndim, tag, group id, source rank, 0, payload bytes, dtype, dims, padding
+# magic, version, ndim, tag, group id, source rank, flags, payload bytes, dtype, dims, padding
 HEADER = struct.Struct(f"<IHHqqiiQ{DTYPE_BYTES}s{MAX_DIMS}q8x")
 HEADER_BYTES = HEADER.size
 HDR_MAGIC = 0
@@ -31,10 +31,15 @@ HDR_NDIM = 6
 HDR_TAG = 8
 HDR_GID = 16
 HDR_SRC = 24
+HDR_FLAGS = 28                # int32: 0, or HDR_SINGLE_COPY
+HDR_SINGLE_COPY = 1           # the record carries SINGLE_COPY (sender pid, address), not the payload
 HDR_NBYTES = 32
 HDR_DTYPE = 40
 HDR_DIMS = HDR_DTYPE + DTYPE_BYTES
 RECORD_ALIGN = 64
+# The payload of a single-copy record (transport/engine.py): the sender's pid and the
+# address of the message in its memory; the receiver reads it with process_vm_readv.
+SINGLE_COPY = struct.Struct("<QQ")
 
 
 def record_bytes(nbytes: int) -> int:
@@ -49,6 +54,9 @@ def record_bytes(nbytes: int) -> int:
 CTL_BYTES = 256
 CTL_PID = 0                   # uint32: pid of the owner
 CTL_CLOSED = 4                # uint32: 1 once the owner left the group cleanly
+CTL_ADDR = 8                  # uint64: this block's address in its owner's memory (the single-copy probe)
+CTL_READS = 16                # uint64: bit i: the owner can read local rank i's memory (process_vm_readv)
+CTL_PROBED = 24               # uint64: bit i: the owner probed local rank i (CTL_READS says how it went)
 CTL_BELL = 64                 # uint32: doorbell sequence
 CTL_SLEEPING = 128            # uint32: owner threads asleep on the doorbell in a wait ring traffic can end
 CTL_PHASE_SLEEPING = 132      # uint32: owner threads asleep on it for phase flags only (rings never wake them)
@@ -60,6 +68,7 @@ RING_CTL_BYTES = 4096         # head and tail of a ring, each on its own cache l
 RING_HEAD = 0                 # uint64: bytes the producer wrote, ever
 RING_TAIL = 128               # uint64: bytes the consumer consumed, ever
 RING_WANT = 256               # uint32: 1 while the producer waits for room (the consumer rings only then)
+RING_ACKED = 384              # uint64: single-copy records the consumer has read from the producer, ever
 RING_MIN_BYTES = 4096         # a ring's data is a power of two at least this big
 
 # ---------------------------------------------------------------- segment parameters
@@ -129,18 +138,18 @@ def kind_of(name: str) -> int:
 # Each rank's ring of its recent operations (trace.py makes and reads it; the
 # hot paths write entries in C, _trace.h). A header page, then TRACE_CAPACITY
 # entries of TRACE_ENTRY bytes; the entry of sequence number s (from 1) is at
-# TRACE_HEAD + ((s - 1) & (capacity - 1)) * TRACE_ENTRY. Little-endian.
+# TRACE_HEAD + (s & (capacity - 1)) * TRACE_ENTRY. Little-endian.
 
 TRACE_MAGIC = int.from_bytes(b"SHMDTRC1", "little")
-TRACE_VERSION = 1
+TRACE_VERSION = 2              # 2: entry s in slot s & mask; posts no longer counted in changes
 TRACE_HEAD = 4096             # the header page
 TRACE_ENTRY = 128
-# magic, version, entry bytes, capacity (a power of two), entries written, changes (posts and
-# state changes), rank, world size, pid, state (TRACE_LIVE/LEFT), metadata bytes,
+# magic, version, entry bytes, capacity (a power of two), entries written, changes (state
+# changes only), rank, world size, pid, state (TRACE_LIVE/LEFT), metadata bytes,
 # CLOCK_MONOTONIC_COARSE ns and time.time_ns() when made (to turn entry times into wall times)
 TRACE_HDR = struct.Struct("<QIIQQQqqqIIQQ")
 TRACE_H_WRITTEN = 24          # uint64, stored last when an entry is added
-TRACE_H_CHANGES = 32          # uint64
+TRACE_H_CHANGES = 32          # uint64: state changes (progress = written + changes)
 TRACE_H_RANK = 40             # int64 rank, int64 world size
 TRACE_H_STATE = 64            # uint32
 TRACE_H_META_LEN = 68         # uint32: bytes of JSON metadata at TRACE_META_AT (0 while rewritten)
@@ -191,15 +200,17 @@ def c_constants() -> dict[str, int]:
     c = {
         "SD_MAGIC": MAGIC, "SD_VERSION": VERSION, "SD_MAX_DIMS": MAX_DIMS, "SD_DTYPE_BYTES": DTYPE_BYTES,
         "SD_HEADER_BYTES": HEADER_BYTES, "SD_HDR_MAGIC": HDR_MAGIC, "SD_HDR_VERSION": HDR_VERSION,
-        "SD_HDR_NDIM": HDR_NDIM, "SD_HDR_TAG": HDR_TAG, "SD_HDR_GID": HDR_GID, "SD_HDR_SRC": HDR_SRC,
+        "SD_HDR_NDIM": HDR_NDIM, "SD_HDR_TAG": HDR_TAG, "SD_HDR_GID": HDR_GID, "SD_HDR_SRC": HDR_SRC, "SD_HDR_FLAGS": HDR_FLAGS,
+        "SD_HDR_SINGLE_COPY": HDR_SINGLE_COPY,
         "SD_HDR_NBYTES": HDR_NBYTES, "SD_HDR_DTYPE": HDR_DTYPE, "SD_HDR_DIMS": HDR_DIMS,
         "SD_RECORD_ALIGN": RECORD_ALIGN,
         "SD_CTL_BYTES": CTL_BYTES, "SD_CTL_PID": CTL_PID, "SD_CTL_CLOSED": CTL_CLOSED,
-        "SD_CTL_BELL": CTL_BELL, "SD_CTL_SLEEPING": CTL_SLEEPING, "SD_CTL_PHASE_SLEEPING": CTL_PHASE_SLEEPING,
+        "SD_CTL_ADDR": CTL_ADDR, "SD_CTL_READS": CTL_READS,
+        "SD_CTL_PROBED": CTL_PROBED, "SD_CTL_BELL": CTL_BELL, "SD_CTL_SLEEPING": CTL_SLEEPING, "SD_CTL_PHASE_SLEEPING": CTL_PHASE_SLEEPING,
         "SD_CTL_CAUSE": CTL_CAUSE,
         "SD_CAUSE_BYTES": CAUSE_BYTES,
         "SD_RING_CTL_BYTES": RING_CTL_BYTES, "SD_RING_HEAD": RING_HEAD, "SD_RING_TAIL": RING_TAIL,
-        "SD_RING_WANT": RING_WANT,
+        "SD_RING_WANT": RING_WANT, "SD_RING_ACKED": RING_ACKED,
         "SD_RING_MIN_BYTES": RING_MIN_BYTES,
         "SD_SLOT_STRIDE": SLOT_STRIDE, "SD_SLOT_PHASE": SLOT_PHASE, "SD_SLOT_DESC": SLOT_DESC,
         "SD_DESC_BYTES": DESC_BYTES, "SD_DESC_WORDS": DESC_WORDS, "SD_DESC_KIND": DESC_KIND,

@@ -58,6 +58,10 @@ SETTINGS = {s.name: s for s in (
     Setting("SHMDIST_STREAM_BYTES", None, _int,
             "payloads at least this big are received with streaming stores; 0 never (default: half "
             "the last-level cache, at least 8 MiB)"),
+    Setting("SHMDIST_SINGLE_COPY", 1 << 20, _int,
+            "a message to a local rank at least this big that the ring cannot take whole at once moves "
+            "in one copy: the receiver reads it from the sender's memory (process_vm_readv) where it "
+            "may; 0 never (engine.py)"),
     Setting("SHMDIST_ARENA_BYTES", 1 << 20, _multiple_of_page("SHMDIST_ARENA_BYTES"),
             "bytes of each of the two buffers per member in a group's collective arena"),
     Setting("SHMDIST_ROUND_BYTES", 512 << 10, _multiple_of_page("SHMDIST_ROUND_BYTES"),
@@ -81,6 +85,9 @@ SETTINGS = {s.name: s for s in (
     Setting("SHMDIST_SHARD_BYTES", 256 << 10, _int,
             "all_reduce across hosts at least this big is sharded: local rank i carries the i-th share "
             "between hosts (hier.py); 0 never"),
+    Setting("SHMDIST_SHARD_PIECE_BYTES", 4 << 20, _int,
+            "a sharded all_reduce runs in pieces of about this many bytes, so that the bytes of one "
+            "piece cross between hosts while the ranks reduce the next inside the host (hier.py)"),
     Setting("SHMDIST_TRACE", True, _flag,
             "0 turns the flight recorder off (trace.py)"),
     Setting("SHMDIST_TRACE_SIZE", None, str,

@@ -47,6 +47,7 @@ STATES = dict(enumerate(layout.TRACE_STATES, start=POSTED))
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 TRACE_ENV, SIZE_ENV, DIR_ENV = "SHMDIST_TRACE", "SHMDIST_TRACE_SIZE", "SHMDIST_TRACE_DIR"
 FR_PREFIX = "shmdist_fr_trace_rank_"
+HISTORY_VERSION = 1         # of the JSON history (README); the ring's own layout is layout.TRACE_VERSION
 TABLE_TITLE = "where each rank is (flight recorder):"   # torchfrtrace --prefix
 
 
@@ -287,7 +288,10 @@ class Ring:
 
     @property
     def changes(self) -> int:
-        return _U64.unpack_from(self.mm, layout.TRACE_H_CHANGES)[0]
+        """Progress: operations posted plus state changes (the writer counts
+        posts once, in the header's written count, to store less per post)."""
+        return (_U64.unpack_from(self.mm, layout.TRACE_H_WRITTEN)[0]
+                + _U64.unpack_from(self.mm, layout.TRACE_H_CHANGES)[0])
 
     def meta(self) -> dict:
         for _ in range(20):
@@ -307,7 +311,7 @@ class Ring:
         written = _U64.unpack_from(mm, layout.TRACE_H_WRITTEN)[0]
         out = []
         for seq in range(max(1, written - cap + 1), written + 1):
-            at = HEAD + ((seq - 1) % cap) * ENTRY
+            at = HEAD + (seq % cap) * ENTRY
             fields = _ENT.unpack_from(mm, at)
             if fields[0] != seq or _U64.unpack_from(mm, at + layout.TRACE_E_SEQ)[0] != seq:
                 continue
@@ -616,7 +620,7 @@ def history(ring: Ring, errors_seen=(), diagnosis: str = "") -> dict:
             d["peer"] = None if e.peer == ANY else e.peer
             d["tag"] = e.tag
         out.append(d)
-    return {"format": "shmdist-trace", "version": VERSION, "rank": ring.rank, "world_size": ring.world_size,
+    return {"format": "shmdist-trace", "version": HISTORY_VERSION, "rank": ring.rank, "world_size": ring.world_size,
             "pid": ring.pid, "job": meta.get("job", ""), "groups": groups, "errors": list(errors_seen),
             "diagnosis": diagnosis, "entries": out}
 

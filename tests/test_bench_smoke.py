@@ -78,3 +78,43 @@ def test_bench_skips_deepspeed_with_a_note_when_it_cannot_run(tmp_path):
                           "--backends", "shmdist,deepspeed"], capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "note: DeepSpeed skipped: give its interpreter with --ds-python" in run.stdout
+
+
+def test_mpi_files_left_in_dev_shm_by_the_runs_own_jobs_are_removed(tmp_path):
+    """Open MPI leaves a 16 MiB sm_segment file per launch in /dev/shm; the benchmark removes the
+    ones that appeared during its launches and that no live process maps (another job's stay), and
+    never one that was there before."""
+    import mmap
+    import multiprocessing
+    from shmdist import bench
+
+    tag = f"sm_segment.shmdist-test.{os.getpid()}"
+    old, left, live = (f"/dev/shm/{tag}.{n}" for n in ("old", "left", "live"))
+    ctx = multiprocessing.get_context("fork")
+    ready, done = ctx.Event(), ctx.Event()
+
+    def holder():
+        with open(live, "r+b") as f, mmap.mmap(f.fileno(), 4096):
+            ready.set()
+            done.wait(30)
+
+    try:
+        with open(old, "wb") as f:
+            f.write(b"\0" * 4096)
+        before = bench.mpi_shm_entries()
+        for path in (left, live):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 4096)
+        p = ctx.Process(target=holder)
+        p.start()
+        assert ready.wait(30)
+        bench.remove_mpi_leftovers(before)
+        assert os.path.exists(old), "a file from before the run was removed"
+        assert os.path.exists(live), "a file a live process maps was removed"
+        assert not os.path.exists(left), "the run's own leftover stayed"
+        done.set()
+        p.join(30)
+    finally:
+        for path in (old, left, live):
+            if os.path.exists(path):
+                os.unlink(path)

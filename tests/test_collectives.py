@@ -408,6 +408,18 @@ def test_data_movement_matches_numpy(run_ranks, world_size, transport):
                               timeout=100))
 
 
+def test_sixteen_ranks(run_ranks):
+    """16 local ranks: past 8 every ordered pair gets the small ring (transport/shm.py) and the
+    arena's phases wait for 16 members. Every collective and reduction at 1 and 1023 elements,
+    in three dtypes, plus all_reduces on each side of the 16-rank switch (32 KiB) and above
+    64 KiB. On 2 cores this is 8 ranks a
+    core (slow, but it must pass); bench/wide_host.sh runs it where 16 ranks have 16 cores."""
+    dtypes = ("int64", "float32", "bfloat16")
+    cases = make_cases(REDUCTIONS + MOVEMENTS, [1, 1023], dtypes=dtypes, ops=("SUM", "MAX", "AVG"))
+    cases += make_cases(("all_reduce",), [6000, 12000, 20001], dtypes=("float32",), first_seed=len(cases))
+    assert_all_good(run_ranks(run_cases, 16, cases, timeout=110))
+
+
 @pytest.mark.parametrize("world_size", [3, 8])
 def test_many_rounds_in_a_small_arena(run_ranks, world_size):
     """SHMDIST_ARENA_BYTES=65536 makes every collective here take several rounds through

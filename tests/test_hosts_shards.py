@@ -4,7 +4,8 @@ local rank i carries share i between hosts. On 2 hosts x 2 ranks and
 local sizes do not divide:
 
 - the sharded result is bit for bit the leader path's (the same ranks, the
-  same call with SHMDIST_SHARD_BYTES=0), for every dtype and op;
+  same call with SHMDIST_SHARD_BYTES=0), for every dtype and op, in one
+  piece or in many (SHMDIST_SHARD_PIECE_BYTES);
 - with values whose sums are exact, it is the rank-order sum itself
   (what plain gloo or tcp give);
 - every local rank carried bytes between hosts (with gloo), not only the
@@ -34,7 +35,7 @@ def pretend_hosts(monkeypatch):
     if WHY:
         pytest.skip(WHY)
     for var in ("SHMDIST_HOST_ID", "SHMDIST_TCP_ADDR", "SHMDIST_INTER", "MASTER_ADDR", "MASTER_PORT",
-                "SHMDIST_SHARD_BYTES"):
+                "SHMDIST_SHARD_BYTES", "SHMDIST_SHARD_PIECE_BYTES"):
         monkeypatch.delenv(var, raising=False)
     with hosts.PretendHosts(2) as h:
         yield h
@@ -59,6 +60,8 @@ def _shards(rank, world_size, init_method, engine):
             red = getattr(dist.ReduceOp, op)
             a = _inputs(rank, count, dtype, seed, exact=False)
             os.environ["SHMDIST_SHARD_BYTES"] = "4096"
+            # pieces (hier.py): one piece, or many, the last of them shorter
+            os.environ["SHMDIST_SHARD_PIECE_BYTES"] = str(4 << 20 if seed % 2 else 4096)
             sharded = a.copy()
             dist.all_reduce(sharded, op=red)
             os.environ["SHMDIST_SHARD_BYTES"] = "0"

@@ -643,3 +643,43 @@ def test_each_classic_hang_through_torch_backend_shm(run_ranks, tmp_path, case):
     print(text)
     for line in wanted:
         assert line in text, f"{line!r} not in:\n{text}"
+
+
+def test_entries_name_the_thread_as_threading_does_and_keep_wall_time():
+    """The C writer reads the thread pointer inline (glibc's pthread_self())
+    and the clock through the vDSO: what it records must still be
+    threading.get_ident() of the writing thread, and a time that ring.wall()
+    turns into time.time() (within the coarse clock's step)."""
+    import threading
+    from shmdist import _core, layout, trace
+    own = trace._Own(8)
+    got = {}
+
+    def post(name):
+        before = time.time()
+        seq = _core.trace_post(layout.TRACE_SEND, layout.TRACE_DONE, 0, 1, 0, 8, 0, b"int64".ljust(16, b"\0"))
+        got[name] = (seq, threading.get_ident(), before, time.time())
+
+    try:
+        _core.trace_attach(own.addr, own.capacity)
+        post("main")
+        t = threading.Thread(target=post, args=("other",))
+        t.start()
+        t.join(10)
+        time.sleep(0.05)
+        post("later")
+        ring = trace.Ring(own.mm)
+        by_seq = {e.seq: e for e in ring.entries()}
+        assert len(by_seq) == 3
+        for name, (seq, ident, before, after) in got.items():
+            e = by_seq[seq]
+            assert e.thread == ident, (name, hex(e.thread), hex(ident))
+            assert e.posted == e.ended
+            # COARSE steps by one tick (at most 10 ms at HZ=100); the header's pair is read 2 calls apart
+            assert before - 0.02 <= ring.wall(e.posted) <= after + 0.02, (name, ring.wall(e.posted), before, after)
+        assert got["main"][1] != got["other"][1]
+        assert by_seq[got["later"][0]].posted - by_seq[got["main"][0]].posted >= 30_000_000
+        assert ring.changes == 3      # progress: three posts, no state change
+    finally:
+        _core.trace_attach(0, 0)
+        own.mm.close()

@@ -304,6 +304,8 @@ def _setup(w: World) -> None:
                         "may not be its own. Give each job its own port or file, or a job identity "
                         f"({rendezvous.JOB_ENV})")
     w.barrier("init")
+    if w.host is not None:      # every local rank's control block is set now
+        w.host.probe_single_copy(settings.get("SHMDIST_SINGLE_COPY") > 0)
 
 
 def open_group(w: World, gid: int, ranks: tuple, timeout: float, made=None) -> ProcessGroup:

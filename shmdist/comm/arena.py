@@ -472,7 +472,8 @@ class GroupComm:
                 self._pass(what, timeout)
             if root < 0 or root == self.me:
                 for j, out in enumerate(outs):
-                    _core.copy(out + at, self._buf(j, b), size)
+                    if out != buf.addr:      # an output that is the input itself holds it already
+                        _core.copy(out + at, self._buf(j, b), size)
 
     def scatter(self, ins: list, buf, root: int, timeout: float) -> None:
         """Root's j-th input lands in rank j's ``buf``."""

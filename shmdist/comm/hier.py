@@ -288,40 +288,123 @@ class HierComm:
         half = buf.dtype in ("float16", "bfloat16")
         work = _to_f32(arr, buf.dtype) if half else arr
         wdtype = "float32" if half else buf.dtype
-        wbuf = buf if work is arr else _array_buf(work, wdtype)
-        with self._step(what):
-            self.comm.all_reduce(wbuf, work, ReduceOp.SUM if op == ReduceOp.AVG else op, timeout)
         flat = work.reshape(-1)
+        n = len(self.local)
+        # Pieces of a multiple of n elements (equal shares): local reduce_scatter, the lane's
+        # exchange started, then the previous piece's exchange finished, reduced and gathered
+        # inside the node, so the bytes of piece k cross between hosts while piece k+1 is
+        # reduced inside the host. A tail whose shares differ takes the steps one by one.
+        step = max(1, settings.get("SHMDIST_SHARD_PIECE_BYTES") // flat.itemsize // n) * n
+        even = flat.size // n * n
+        pieces = [(lo, min(step, even - lo)) for lo in range(0, even, step)]
+        prev = None
+        for k, (lo, plen) in enumerate(pieces):
+            cur = self._piece_start(flat, lo, plen, k % 2, op, wdtype, what, timeout)
+            if prev is not None:
+                self._piece_finish(flat, prev, op, wdtype, what, timeout)
+            prev = cur
+        if prev is not None:
+            self._piece_finish(flat, prev, op, wdtype, what, timeout)
+        if even < flat.size:
+            self._uneven_steps(flat[even:], op, wdtype, what, timeout)
+        if half:
+            _from_f32(work, arr, buf.dtype)
+
+    def _scratch_for(self, slot: int, ln: int, dtype) -> tuple:
+        """Reused buffers of one piece in flight (``slot`` 0 or 1): my reduced
+        share of the node, and the lane's other members' shares (fresh ones
+        per call would page-fault every byte again)."""
+        scratch = self.__dict__.setdefault("_scratch", {})
+        need = ln * dtype.itemsize * len(self.lane)
+        have = scratch.get(slot)
+        if have is None or have.nbytes < need:
+            have = scratch[slot] = np.empty(need, dtype=np.uint8)
+        views = have[:need].view(dtype).reshape(len(self.lane), ln)
+        mine = views[self.lane.index(self.rank)]
+        got = {p: views[i] for i, p in enumerate(self.lane) if p != self.rank}
+        return mine, got
+
+    def _piece_start(self, flat: np.ndarray, lo: int, plen: int, slot: int, op: ReduceOp, wdtype: str,
+                     what: str, timeout: float):
+        """Reduce-scatter one piece inside the node (my share of the node's
+        partial, reduced in local rank order as the node's all_reduce does)
+        and start its exchange in the lane."""
+        n = len(self.local)
+        ln = plen // n
+        isz = flat.itemsize
+        mine, got = self._scratch_for(slot, ln, flat.dtype)
+        ins = [flat[lo + j * ln:lo + (j + 1) * ln] for j in range(n)]
+        with self._step(what):
+            self.comm.reduce_scatter(_array_buf(mine, wdtype), mine, [a.ctypes.data for a in ins], ins,
+                                     ReduceOp.SUM if op == ReduceOp.AVG else op, timeout)
+        pending = self._lane_start(what, mine, got, timeout)
+        return lo, ln, mine, got, pending
+
+    def _piece_finish(self, flat: np.ndarray, piece: tuple, op: ReduceOp, wdtype: str, what: str,
+                      timeout: float) -> None:
+        """Wait for a piece's exchange, reduce the nodes' shares in node order
+        into my share of the piece, and gather the shares inside the node."""
+        lo, ln, mine, got, pending = piece
+        self._lane_wait(what, pending, timeout)
+        n = len(self.local)
+        isz = flat.itemsize
+        at = lo + self.lane_index * ln
+        reduce_into(flat[at:at + ln], [mine if p == self.rank else got[p] for p in self.lane], op, wdtype, self.n)
+        with self._step(what):
+            self.comm.all_gather([flat.ctypes.data + (lo + j * ln) * isz for j in range(n)],
+                                 _array_buf(flat[at:at + ln], wdtype), -1, timeout)
+
+    def _uneven_steps(self, flat: np.ndarray, op: ReduceOp, wdtype: str, what: str, timeout: float) -> None:
+        """The sharded steps for elements whose shares differ in length: the
+        node's all_reduce, the lane's exchange of share i, a broadcast of
+        each share inside the node."""
+        with self._step(what):
+            self.comm.all_reduce(_array_buf(flat, wdtype), flat, ReduceOp.SUM if op == ReduceOp.AVG else op,
+                                 timeout)
         shares = layout.parts(flat.size, len(self.local))
         start, length = shares[self.lane_index]
         mine = flat[start:start + length]
         if length:
             got = {p: np.empty_like(mine) for p in self.lane if p != self.rank}
-            self._lane_all_gather(what, mine, got, timeout)
+            self._lane_wait(what, self._lane_start(what, mine, got, timeout), timeout)
             out = np.empty_like(mine)
             reduce_into(out, [mine if p == self.rank else got[p] for p in self.lane], op, wdtype, self.n)
             np.copyto(mine, out)
         with self._step(what):
-            if len({ln for _, ln in shares}) == 1:     # equal shares: one all_gather, one set of phases
-                isz = flat.itemsize
-                self.comm.all_gather([flat.ctypes.data + s * isz for s, _ in shares],
-                                     _array_buf(mine, wdtype), -1, timeout)
-            else:
-                for j, (s, ln) in enumerate(shares):
-                    if ln:
-                        self.comm.broadcast(_array_buf(flat[s:s + ln], wdtype), j, timeout)
-        if half:
-            _from_f32(work, arr, buf.dtype)
+            for j, (s, ln) in enumerate(shares):
+                if ln:
+                    self.comm.broadcast(_array_buf(flat[s:s + ln], wdtype), j, timeout)
 
-    def _lane_all_gather(self, what: str, mine: np.ndarray, got: dict, timeout: float) -> None:
-        """This rank's share to every other member of its lane, theirs into ``got``."""
-        who = f"rank {self.rank}: {what}"
+    def _lane_start(self, what: str, mine: np.ndarray, got: dict, timeout: float):
+        """Start sending this rank's share to every other member of its lane
+        and receiving theirs into ``got``; _lane_wait finishes."""
         if self.inter and self.inter.gathers:
             with self._step(what):
-                self.inter.all_gather(what, mine, got, timeout)
+                return self.inter.start_gather(what, mine, got, timeout)
+        who = f"rank {self.rank}: {what}"
+        sends = [(as_buf(mine, writable=False, who=who), p) for p in got]
+        recvs = [(as_buf(a, writable=True, who=who), p) for p, a in got.items()]
+        between = None
+        if self.inter:
+            with self._step(what):
+                sends, recvs, between = self.inter.start(what, sends, recvs, timeout)
+        with self._step(what):
+            reqs = self.engine.post_exchange(what, sends, recvs, self.gid, self.group.ranks)
+        return reqs, between
+
+    def _lane_wait(self, what: str, pending, timeout: float) -> None:
+        if not isinstance(pending, tuple):      # the engine's all_gather (inter.py)
+            with self._step(what):
+                pending.wait(timeout)
             return
-        self._exchange(what, [(as_buf(mine, writable=False, who=who), p) for p in got],
-                       [(as_buf(a, writable=True, who=who), p) for p, a in got.items()], timeout)
+        reqs, between = pending
+        with self._step(what):
+            try:
+                self.engine.wait_exchange(reqs, timeout)
+                if between:
+                    between.wait(timeout)
+            except (DistTimeoutError, DistPeerError) as e:   # name the host the peer is on
+                raise inter.on_host(self, e, getattr(e, "peers", ())) from e
 
     def _leaders_reduce(self, work: np.ndarray, op: ReduceOp, dtype: str, what: str,
                         timeout: float) -> None:

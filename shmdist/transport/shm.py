@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import select
 
+import numpy as np
+
 from shmdist import _core, layout, settings
 from shmdist.transport import segment
 from shmdist.transport.engine import left_because
@@ -133,6 +135,33 @@ class ShmHost:
                 self.pidfds[r] = os.pidfd_open(pid)
             except (OSError, AttributeError):
                 self.pidfds[r] = None   # already gone, or no pidfd: checked by kill(0)
+
+    def probe_single_copy(self, enabled: bool) -> None:
+        """Find out, for each local peer, whether this rank may read its
+        memory (process_vm_readv: refused with EPERM under Yama's ptrace
+        scope, seccomp or some containers), by reading the peer's control
+        block where the peer sees it, and publish the answer in this rank's
+        control block for the peer to read (``single_copy_to``). With
+        ``enabled`` false (SHMDIST_SINGLE_COPY=0) every peer is told no.
+        Called once every local rank has set its control block."""
+        for i, r in enumerate(self.local_ranks):
+            if i == self.me or i >= 64:
+                continue
+            ok = False
+            pid = self.peer_pids.get(r)
+            addr = _core.ctl_addr(self.ctls[r])
+            if enabled and pid and addr:
+                word = np.zeros(1, dtype=np.uint64)
+                ok = _core.cma_read(pid, word.ctypes.data, addr + layout.CTL_ADDR, 8) == 0 and int(word[0]) == addr
+            _core.ctl_probed(self.my_ctl, i, ok)
+
+    def single_copy_to(self, peer: int) -> bool | None:
+        """Whether local ``peer`` reads this rank's memory itself (its probe
+        succeeded); None until it has probed."""
+        i = self.local_ranks.index(peer)
+        if i >= 64 or self.me >= 64:
+            return False
+        return _core.ctl_reads(self.ctls[peer], self.me)
 
     def gone(self, peer: int) -> tuple[str | None, str, bool]:
         """transport.Transport.gone: a peer that closed its control block
