@@ -5,8 +5,13 @@
 Forks a child that owns a buffer, then copies it into the parent with
 process_vm_readv in chunks of 1, 4 and the whole size, and times np.copyto
 of the same bytes in one process. On the 2-core VM where shmdist is
-measured, CMA ran at 4.3-4.9 GB/s and memcpy at 6.8 GB/s (64 MiB), so the
-ring's two copies in parallel (7-13 GB/s) beat it and shmdist does not use CMA.
+measured, CMA ran at 4.3-4.9 GB/s and memcpy at 6.8 GB/s (64 MiB) once; on
+the quiet VM of 2026-12-04, 18.4 GB/s at 1 MiB, 11.4 at 4 MiB, 10.4 at 16 MiB.
+One way, the ring's two copies in parallel beat it from ~16 MiB up; both ways
+at once, each core has its own copy to make and one copy per byte halves the
+work. So shmdist uses it (transport/engine.py, "single copy") for messages of
+at least SHMDIST_SINGLE_COPY bytes that the ring cannot take whole at once,
+one way up to 4 MiB and any size while a receive from the peer is pending.
 """
 import ctypes
 import os
@@ -26,8 +31,8 @@ _libc.process_vm_readv.restype = ctypes.c_ssize_t
 
 def cma_read(pid: int, dst: int, src: int, n: int) -> int:
     """Copy n bytes from address ``src`` of process ``pid`` (one copy,
-    process_vm_readv). Returns bytes read, or -errno. (shmdist's core does
-    not use CMA; this probe is why.)"""
+    process_vm_readv). Returns bytes read, or -errno. (shmdist's core has
+    its own: _core.cma_read.)"""
     local, remote = _IOVec(dst, n), _IOVec(src, n)
     r = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
     return r if r >= 0 else -ctypes.get_errno()

@@ -276,3 +276,28 @@ def ring_or_single(rank, world_size, init_method, nbytes, pending):
 def test_which_messages_go_single_copy(run_ranks, nbytes, pending, way):
     env = {"SHMDIST_SINGLE_COPY": str(THRESHOLD), "SHMDIST_RING_BYTES": str(1 << 20)}
     assert run_ranks(ring_or_single, 2, nbytes, pending, env=env, timeout=90) == [way, True]
+
+
+def receiver_killed(rank, world_size, init_method):
+    """Rank 0's single-copy send waits for rank 1 to read it; rank 1 is
+    killed first: the send fails naming rank 1, it does not hang."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    if rank == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    from shmdist.api import group
+    req = dist.isend(pattern(2 << 20, 3), 1)
+    single = bool(group._world.engine.queues.awaiting)
+    t0 = time.monotonic()
+    try:
+        req.wait()
+        return single, "completed"
+    except dist.DistError as e:
+        return single, (type(e).__name__, str(e), time.monotonic() - t0 < 30)
+
+
+def test_receiver_killed_before_reading(run_ranks):
+    res = run_ranks(receiver_killed, 2, env=ENV, timeout=90, errors="return")
+    single, (kind, message, prompt) = res[0]
+    assert single
+    assert kind == "DistPeerError" and "send to rank 1" in message and "rank 1 died" in message and prompt, message
