@@ -237,11 +237,12 @@ static void sd_half_avx512(int f16, int op, uint16_t *out, const uint16_t *const
     SD_TAIL(f16)
 }
 
-/* The common case at AVX-512, 32 elements an iteration: no input of the block is
- * a NaN. Then the NaN rule of SD_COMBINE has nothing to keep (a NaN can only
- * arise as inf - inf or 0 * inf, x86's default NaN, which both roundings below
- * turn into numpy's bits), so the combination is plain vector arithmetic. A block
- * with a NaN input goes through sd_half_avx512, 32 elements at a time.
+/* The common case at AVX-512, 32 elements an iteration: no element of the block's
+ * result is a NaN, so no input is one and the NaN rule of SD_COMBINE has nothing
+ * to keep: the combination is plain vector arithmetic. A block with a NaN result
+ * (a NaN input, or one made: inf - inf, 0 * inf) goes through sd_half_avx512, 32
+ * elements at a time. Testing the result, not every input, costs two compares a
+ * block whatever the number of inputs.
  * bfloat16 widens by interleaving zero words below each element (vpunpck*wd:
  * the lanes come out permuted within each 128 bits, the same for every input)
  * and narrows by packing the rounded top halves back in that order (vpackusdw;
@@ -256,16 +257,14 @@ static inline __m512i sd512_round_bf16(__m512 a) {
                                               _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))), 16);
 }
 
-/* LO, HI: the 32 elements at P widened; TOP: the largest magnitude bits seen (a NaN
- * input is one above 0x7f80, bfloat16's infinity, or 0x7c00, float16's) */
+/* LO, HI: the 32 elements at P widened */
 #define SD_FAST_LOAD(P, LO, HI)                                                      \
     {                                                                                \
-        __m512i x_ = _mm512_loadu_si512((const void *)(P));                          \
-        top = _mm512_max_epu16(top, _mm512_and_si512(x_, mag));                      \
         if (f16) {                                                                   \
             LO = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P)));          \
             HI = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P) + 1));      \
         } else {                                                                     \
+            __m512i x_ = _mm512_loadu_si512((const void *)(P));                      \
             LO = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x_));               \
             HI = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x_));               \
         }                                                                            \
@@ -276,13 +275,11 @@ static void sd_half_fast512(int f16, int op, uint16_t *out, const uint16_t *cons
                             size_t count, float div) {
     const __m512i zero = _mm512_setzero_si512();
     const __m512 d = _mm512_set1_ps(div);
-    const __m512i mag = _mm512_set1_epi16(0x7fff), inf = _mm512_set1_epi16(f16 ? 0x7c00 : 0x7f80);
     const uint16_t *at[64];
     size_t i = 0;
     int j, k;
     for (; i + 32 <= count; i += 32) {
         __m512 lo, hi, blo, bhi;
-        __m512i top = zero;
         SD_FAST_LOAD(ins[0] + i, lo, hi)
         for (j = 1; j < n; j++) {
             SD_FAST_LOAD(ins[j] + i, blo, bhi)
@@ -294,7 +291,8 @@ static void sd_half_fast512(int f16, int op, uint16_t *out, const uint16_t *cons
                 hi = _mm512_add_ps(hi, bhi);
             }
         }
-        if (_mm512_cmpgt_epu16_mask(top, inf)) {     /* a NaN input: the careful build, this block */
+        if (_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q)) {
+            /* a NaN result (a NaN input, inf - inf, 0 * inf): the careful build, this block */
             for (k = 0; k < n; k++) at[k] = ins[k] + i;
             sd_half_avx512(f16, op, out + i, at, n, 32, div);
             continue;
@@ -319,7 +317,7 @@ static void sd_half_fast512(int f16, int op, uint16_t *out, const uint16_t *cons
 /* Level 3. The 16-bit instructions of newer AVX-512 CPUs, each where it gives
  * numpy's bits exactly; a 32-element block whose result is a NaN (a NaN input,
  * inf - inf, 0 * inf) or, bfloat16, a float32 denormal goes through the careful
- * build (sd_half_avx512), as a block with a NaN input does in sd_half_fast512.
+ * build (sd_half_avx512), as a block with a NaN result does in sd_half_fast512.
  *
  * bfloat16 (AVX512-BF16): widened and combined as in sd_half_fast512, rounded
  * by vcvtne2ps2bf16, 32 elements in one instruction: round to nearest even,

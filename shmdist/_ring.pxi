@@ -207,7 +207,8 @@ cdef class Ring:
                 if got <= 0:
                     break
                 done += <size_t>got
-        if done < nbytes:
+        if done < nbytes or sd_load32(<uint32_t *>(self.other_ctl + SD_CTL_CLOSED)):
+            # (a sender that said goodbye may have changed the memory read: the engine reports it)
             return SD_OTHER_RECORD
         sd_store64(self.tail, t + total)
         self._room()

@@ -72,22 +72,25 @@ class Point(NamedTuple):
     ranks: int
 
 
-def plan(kinds, ranks) -> list[Point]:
-    """The table's rows, in order. p2p figures and the idle cost use 2 ranks."""
+def plan(kinds, ranks, sizes=None) -> list[Point]:
+    """The table's rows, in order. p2p figures and the idle cost use 2 ranks. ``sizes``
+    (bytes), when given, replaces the sizes of every sized figure (``--sizes``)."""
+    def each(default):
+        return sizes or default
     rows = []
     if "latency" in kinds:
-        rows += [Point("latency", n, 2) for n in LATENCY_SIZES]
+        rows += [Point("latency", n, 2) for n in each(LATENCY_SIZES)]
     if "bandwidth" in kinds:
-        rows += [Point("bandwidth", n, 2) for n in BANDWIDTH_SIZES]
+        rows += [Point("bandwidth", n, 2) for n in each(BANDWIDTH_SIZES)]
     for kind in ("blocking", "bidir"):
         if kind in kinds:
-            rows += [Point(kind, n, 2) for n in STREAM_SIZES]
+            rows += [Point(kind, n, 2) for n in each(STREAM_SIZES)]
     for r in ranks:
         for kind in REDUCE_DTYPES:
             if kind in kinds:
-                rows += [Point(kind, n, r) for n in ALL_REDUCE_SIZES]
+                rows += [Point(kind, n, r) for n in each(ALL_REDUCE_SIZES)]
         if "broadcast" in kinds:
-            rows += [Point("broadcast", n, r) for n in BROADCAST_SIZES]
+            rows += [Point("broadcast", n, r) for n in each(BROADCAST_SIZES)]
         if "barrier" in kinds:
             rows.append(Point("barrier", 0, r))
     if "idle" in kinds:
@@ -904,6 +907,7 @@ def parse(argv):
     ap.add_argument("--quick", action="store_true", help="fewer iterations per point (about a minute)")
     ap.add_argument("--ranks", default="2,4", help="rank counts for the collectives (default 2,4)")
     ap.add_argument("--only", default=",".join(KINDS), help=f"figures to measure, of {','.join(KINDS)}")
+    ap.add_argument("--sizes", help="sizes for every sized figure instead of the table's, e.g. 16K,32K,64K,1M")
     ap.add_argument("--backends", default=",".join(BACKENDS), help=f"of {','.join(BACKENDS)} (default all)")
     ap.add_argument("--mpi-python", action="append", metavar="PYTHON",
                     help="an interpreter with mpi4py, its mpiexec beside it (repeatable; default: this "
@@ -937,6 +941,13 @@ def parse(argv):
         ap.error(f"--ranks: expected rank counts like 2,4, got {args.ranks!r}")
     if any(r < 2 for r in args.ranks):
         ap.error("--ranks: collectives need at least 2 ranks")
+    if args.sizes is not None:
+        try:
+            args.sizes = sorted({_size(t) for t in args.sizes.split(",") if t.strip()})
+        except ValueError:
+            ap.error(f"--sizes: expected sizes like 16K,1M,8, got {args.sizes!r}")
+        if not args.sizes or min(args.sizes) < 8:
+            ap.error("--sizes: at least one size, each at least 8 bytes")
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
     if args.rounds < 1:
@@ -951,12 +962,19 @@ def parse(argv):
     return args
 
 
+def _size(text: str) -> int:
+    """'64K' -> 65536, '1M' -> 1048576, '8' -> 8."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = {"K": KiB, "M": MiB, "G": 1 << 30}.get(t[-1:], 1)
+    return int(t[:-1] if unit > 1 else t) * unit
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     if args.worker:
         return worker(args)
     settings = QUICK if args.quick else FULL
-    rows = plan(args.only, args.ranks)
+    rows = plan(args.only, args.ranks, args.sizes)
     backends, notes = detect(args)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)

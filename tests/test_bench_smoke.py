@@ -118,3 +118,16 @@ def test_mpi_files_left_in_dev_shm_by_the_runs_own_jobs_are_removed(tmp_path):
         for path in (old, left, live):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_sizes_replace_the_tables_sizes_and_bad_ones_are_refused():
+    from shmdist import bench
+    rows = bench.plan(["bidir", "all_reduce", "barrier"], [2, 8], [16 << 10, 1 << 20])
+    assert [(p.kind, p.nbytes, p.ranks) for p in rows] == [
+        ("bidir", 16 << 10, 2), ("bidir", 1 << 20, 2),
+        ("all_reduce", 16 << 10, 2), ("all_reduce", 1 << 20, 2), ("barrier", 0, 2),
+        ("all_reduce", 16 << 10, 8), ("all_reduce", 1 << 20, 8), ("barrier", 0, 8)]
+    assert bench.parse(["--sizes", "64K,1MiB,8"]).sizes == [8, 64 << 10, 1 << 20]
+    for bad in ("3x", "4", ""):
+        with pytest.raises(SystemExit):
+            bench.parse(["--sizes", bad])

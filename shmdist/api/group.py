@@ -125,6 +125,8 @@ class World:
         if self.tcp is not None:
             self.tcp.close(cause, self.engine.partly_sent() if self.engine is not None else ())
         engine_quiet = True
+        if self.host is not None:
+            self.host.goodbye(cause)    # before the sends fail (single copies: ShmHost.goodbye)
         if self.engine is not None:
             self.engine.close()
             engine_quiet = self.engine.quiet(RETIRE_SECONDS)

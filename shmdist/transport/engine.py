@@ -415,13 +415,17 @@ class Engine:
         receive it was for fails, naming the sender."""
         pid, addr = int(inc.meta[0]), int(inc.meta[1])
         err = _core.cma_read(pid, inc.addr, addr, inc.nbytes) if inc.nbytes else 0
-        chan.ack()
-        if not err:
-            return True
         why = self.peer_gone(inc.src)
+        chan.ack()      # (after that look: a sender whose send completed may leave at once)
+        if not err and (why is None or why == "died"):
+            # A sender that died leaves its memory as it was; one that left may already have
+            # been told its send failed and changed or freed the memory: what was read is only
+            # the message if the sender had not said goodbye when the read ended.
+            return True
         if why is None and err == errno.ESRCH:
             why = "died"
-        what = (f"rank {inc.src} {why} while this rank read its message" if why else
+        what = (f"rank {inc.src} {why} before this rank had read its message" if why and not err else
+                f"rank {inc.src} {why} while this rank read its message" if why else
                 f"could not read the message from rank {inc.src}'s memory (process_vm_readv: "
                 f"{os.strerror(err)}); set SHMDIST_SINGLE_COPY=0 to send through the ring instead")
         if inc.data is not None:

@@ -199,6 +199,18 @@ class ShmHost:
             "rings_of_this_rank": 2 * (n - 1) * self.ring_bytes,
         }
 
+    def goodbye(self, cause: str = "") -> None:
+        """Mark this rank's control block closed (once) and wake the peers.
+        Done before the engine fails this rank's pending sends: a peer that
+        reads a single copy from this rank's memory checks the mark after the
+        read, so memory changed once a failed send gave it back is never taken
+        for the message."""
+        if os.getpid() != self.seg.pid or _core.ctl_closed(self.my_ctl):
+            return
+        _core.ctl_close(self.my_ctl, cause.encode())   # cut to CAUSE_BYTES there
+        for r, ctl in self.ctls.items():
+            _core.ring_bell(ctl)
+
     def close(self, cause: str = "", unmap: bool = True) -> None:
         """Say goodbye: peers waiting on this rank learn it left, not died,
         and ``cause``: the failure that made it leave, if one did. Without
@@ -206,9 +218,7 @@ class ShmHost:
         if os.getpid() != self.seg.pid:
             return
         self.unwatch()
-        _core.ctl_close(self.my_ctl, cause.encode())   # cut to CAUSE_BYTES there
-        for r, ctl in self.ctls.items():
-            _core.ring_bell(ctl)
+        self.goodbye(cause)
         self.out = self.inc = {}
         if unmap:
             self.seg.close()
