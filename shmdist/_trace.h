@@ -135,7 +135,7 @@ SD_TR_INLINE uint64_t sd_tr_post(uint32_t op, uint32_t state, int64_t gid, int64
         memcpy(e + SD_TR_E_DTYPE, dtype16, SD_DTYPE_BYTES);
     else
         memset(e + SD_TR_E_DTYPE, 0, SD_DTYPE_BYTES);
-    SD_TR_U64(e, SD_TR_E_WAIT) = 0;
+    SD_TR_U64(e, SD_TR_E_WAIT) = state == SD_TR_WAITING ? now : 0;
     __atomic_store_n((uint64_t *)(e + SD_TR_E_SEQ), seq, __ATOMIC_RELEASE);
     __atomic_store_n((uint64_t *)(b + SD_TR_H_WRITTEN), seq, __ATOMIC_RELEASE);
     return seq;
