@@ -126,6 +126,8 @@ cdef class Lane:
     cdef Backoff backoff
     cdef int _header(self, uint8_t *hdr, Py_buffer *view, int64_t tag, bytes dtype16) except -1
     cdef Ring _args(self, arr, peer, tag, list chans)
+    cpdef object send(self, arr, dst, tag)
+    cpdef object recv(self, arr, src, tag)
     cdef int _drain(self, DistributedRequest req) except -2
     cdef object _find(self, DistributedRequest req)
 

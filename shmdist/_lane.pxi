@@ -132,7 +132,7 @@ cdef class Lane:
         self.a_dtype16 = <bytes>d
         return <Ring>r
 
-    def send(self, arr, dst, tag):
+    cpdef object send(self, arr, dst, tag):
         """The completed request of a send written whole into its ring now, or None."""
         cdef Ring ring = None
         cdef int64_t t
@@ -185,7 +185,7 @@ cdef class Lane:
         req._done = True
         return req
 
-    def recv(self, arr, src, tag):
+    cpdef object recv(self, arr, src, tag):
         """The request of a receive from ``src``: completed when its message
         was already there (and no earlier pending receive from ``src`` waits
         for one), else a pending fast receive, queued behind the others;

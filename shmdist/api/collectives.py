@@ -131,20 +131,39 @@ def _copy_of(b):
 
 # ---------------------------------------------------------------- tensor collectives
 
-def barrier(group=None, async_op=False, device_ids=None, timeout=None):
-    """Return when every rank of the group has called barrier. ``timeout``
-    (seconds or a timedelta, as torch's): this call's limit instead of the group's."""
+def _barrier_py(group=None, async_op=False, device_ids=None, timeout=None):
+    """barrier (the C entry point _core.barrier hands calls here unless they
+    are on the default group, synchronous and without their own timeout)."""
     seconds = None if timeout is None else _g._seconds(timeout)
     if group is None and _fast.barrier is not None:
         how = _fast.barrier()             # the default group's whole barrier, when the others are there
         if how > 0 or _fast.coll.quick_barrier(seconds or _fast.world.timeout, how):
             return completed("barrier", []) if async_op else None
+    return _barrier_general(group, async_op, seconds)
+
+
+def _barrier_rest(how: int, device_ids=None):
+    """The rest of a default-group barrier whose fast pass (the Phaser's
+    barrier, called by _core.barrier) returned ``how`` <= 0."""
+    if _fast.coll is not None and _fast.coll.quick_barrier(_fast.world.timeout, how):
+        return None
+    return _barrier_general(None, False, None)
+
+
+def _barrier_general(group, async_op: bool, seconds):
     w, g, comm = _enter("barrier", group)
     if comm is None:
         return None
     with comm.lock:
         comm.barrier(seconds or g.timeout)
     return _done("barrier", async_op, [])
+
+
+# barrier, send and recv are C functions (_core, _entry.pxi) that take the fast
+# paths and hand every other call to the Python functions above and in group.py.
+barrier = _core.barrier
+_core.entry_fallbacks(np.ndarray, _g._send_py, _g._send_general, _g._recv_py, _g._recv_general,
+                      _barrier_py, _barrier_rest)
 
 
 def broadcast(tensor, src: int, group=None, async_op=False):

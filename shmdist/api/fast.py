@@ -9,6 +9,10 @@ common small call, all owned by one object with one switch.
 - ``c_rounds``: the rounds of a large all_reduce run in C.
 - ``learn``: the general path teaches the lane each dtype it accepted.
 
+shmdist.send, recv and barrier are themselves C functions (_core,
+_entry.pxi) that take ``lane`` and ``barrier`` without a Python frame; they
+follow this object's two attributes (set here, they are set there).
+
 Each shortcut either does the whole call or returns None/False having done
 nothing, and the general path then runs; so turning them off (``enabled =
 False``, as the tests' ``no_fast_paths`` fixture does) changes speed only.
@@ -21,6 +25,7 @@ import sys
 
 import numpy as np
 
+from shmdist import _core
 from shmdist.transport.engine import dtype_field
 from shmdist.tensors import is_torch_tensor, numpy_view
 
@@ -34,6 +39,11 @@ class FastPaths:
         self.coll = None         # the default group's collective engine, for quick_all_reduce
         self.world = None        # the world, whose timeout (read at each call) the quick calls take
         self._tensor = None      # torch.Tensor, once the first torch tensor came
+
+    def __setattr__(self, name, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in ("lane", "barrier"):   # the C entry points (_core, _entry.pxi) follow
+            _core.entry_attach(self.__dict__.get("lane"), self.__dict__.get("barrier"))
 
     def attach(self, world) -> None:
         """Point the shortcuts at ``world`` (None: at nothing)."""

@@ -15,7 +15,7 @@ import threading
 
 import numpy as np
 
-from shmdist import settings
+from shmdist import _core, settings
 from shmdist.comm import arena, shared
 from shmdist.rendezvous import store as rendezvous
 from shmdist import trace   # the flight recorder: hook lines marked "trace:" below
@@ -468,16 +468,20 @@ def _tag(w, tag, op) -> int:
     return tag
 
 
-def send(tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> DistributedRequest:
-    """Send ``tensor`` to global rank ``dst``. Returns at once; ``wait()``
-    returns when the bytes are handed over (the tensor may be reused then)."""
+def _send_py(tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> DistributedRequest:
+    """send (the C entry point _core.send hands calls here unless they are of
+    a numpy array): a plain torch tensor's numpy view may take the lane."""
     lane = _fast.lane
     if lane is not None and group is None:
-        arr = tensor if tensor.__class__ is np.ndarray else _fast.array(tensor)
+        arr = _fast.array(tensor)
         if arr is not None:
             req = lane.send(arr, dst, tag)
             if req is not None:
                 return req
+    return _send_general(tensor, dst, group, tag)
+
+
+def _send_general(tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> DistributedRequest:
     w, g = _group(group, "send")
     _member(w, g, "send")
     dst = _peer(w, g, dst, "send", "dst")
@@ -489,19 +493,23 @@ def send(tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> D
     return req
 
 
-def recv(tensor, src: int | None = None, group: ProcessGroup | None = None,
-         tag: int = 0) -> DistributedRequest:
-    """Receive into ``tensor`` from global rank ``src`` (any rank when None).
-    The request's ``source`` tells the sender once complete."""
+def _recv_py(tensor, src: int | None = None, group: ProcessGroup | None = None,
+             tag: int = 0) -> DistributedRequest:
+    """recv (as _send_py for send)."""
     lane = _fast.lane
     if lane is not None and group is None and src is not None:
-        arr = tensor if tensor.__class__ is np.ndarray else _fast.array(tensor)
+        arr = _fast.array(tensor)
         if arr is not None:
             req = lane.recv(arr, src, tag)
             if req is not None:
                 if arr is not tensor:
                     req.tensors = [tensor]
                 return req
+    return _recv_general(tensor, src, group, tag)
+
+
+def _recv_general(tensor, src: int | None = None, group: ProcessGroup | None = None,
+                  tag: int = 0) -> DistributedRequest:
     w, g = _group(group, "recv")
     _member(w, g, "recv")
     if src is not None:
@@ -515,6 +523,10 @@ def recv(tensor, src: int | None = None, group: ProcessGroup | None = None,
     return req
 
 
+# send and recv are C functions (_core, _entry.pxi): a numpy array on the default
+# group goes to the lane without a Python frame; everything else comes back here.
+send = _core.send
+recv = _core.recv
 isend = send
 irecv = recv
 
