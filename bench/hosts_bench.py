@@ -6,7 +6,7 @@ Rows, each the median of per-round medians with the range over rounds;
 rounds interleave the configurations, so drift on a shared machine hits
 them alike:
 
-- all_reduce of 1 MiB and 16 MiB float32 through shmdist (shared memory
+- all_reduce of 1 MiB and 16 MiB (``--sizes``: others) float32 through shmdist (shared memory
   inside each host; between hosts on gloo, MPI or our TCP transport; a
   config ``shm/tcp/0`` sets SHMDIST_SHARD_BYTES=0: the leader carries all)
   against plain torch gloo across all 4 ranks;
@@ -33,6 +33,10 @@ import hosts  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 SIZES = (1 << 20, 16 << 20)
+
+
+def _label(n: int) -> str:
+    return f"all_reduce {n >> 20} MiB" if n >= 1 << 20 else f"all_reduce {n >> 10} KiB"
 LAYOUT = (0, 0, 1, 1)
 
 
@@ -47,7 +51,7 @@ def _timed(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def one_config(rank, world_size, init_method, config, iters, lat_iters):
+def one_config(rank, world_size, init_method, config, iters, lat_iters, sizes=SIZES):
     """A run_ranks target inside a pretend host: init, time, return {row: seconds}."""
     import numpy as np
     import torch
@@ -56,10 +60,10 @@ def one_config(rank, world_size, init_method, config, iters, lat_iters):
         import torch.distributed as tdist
         os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
         tdist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-        for n in SIZES:
+        for n in sizes:
             t = torch.ones(n // 4, dtype=torch.float32)
             tdist.barrier()
-            out[f"all_reduce {n >> 20} MiB"] = _timed(lambda: tdist.all_reduce(t), iters)
+            out[_label(n)] = _timed(lambda: tdist.all_reduce(t), iters)
         msg = torch.zeros(2, dtype=torch.float32)
         tdist.barrier()
         if rank in (0, 2):
@@ -84,10 +88,10 @@ def one_config(rank, world_size, init_method, config, iters, lat_iters):
     if len(parts) > 3:                  # shm/<engine>/<shard bytes>/<SHMDIST_ARENA_BYTES>
         os.environ["SHMDIST_ARENA_BYTES"] = parts[3]
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=120)
-    for n in SIZES:
+    for n in sizes:
         a = np.ones(n // 4, dtype=np.float32)
         dist.barrier()
-        out[f"all_reduce {n >> 20} MiB"] = _timed(lambda: dist.all_reduce(a), iters)
+        out[_label(n)] = _timed(lambda: dist.all_reduce(a), iters)
     msg = np.zeros(2, dtype=np.float32)
     dist.barrier()
     if rank in (0, 2):
@@ -113,12 +117,16 @@ def main() -> None:
     parser.add_argument("--lat-iters", type=int, default=300)
     parser.add_argument("--rate", default="10gbit")
     parser.add_argument("--configs", default="shm/gloo,shm/tcp,shm/tcp/0,gloo")
+    parser.add_argument("--sizes", default="1M,16M", help="all_reduce sizes, e.g. 64K,1M,4M,16M")
     parser.add_argument("--json")
     args = parser.parse_args()
     why = hosts.unavailable()
     if why:
         sys.exit(why)
     configs = args.configs.split(",")
+    units = {"K": 1 << 10, "M": 1 << 20}
+    sizes = tuple(int(x[:-1]) * units[x[-1].upper()] if x[-1].upper() in units else int(x)
+                  for x in args.sizes.split(","))
     for var in ("SHMDIST_HOST_ID", "SHMDIST_TCP_ADDR", "SHMDIST_INTER", "SHMDIST_SHARD_BYTES",
                 "SHMDIST_ARENA_BYTES"):
         os.environ.pop(var, None)
@@ -132,7 +140,7 @@ def main() -> None:
             for config in order:
                 port += 1
                 got = run_ranks(hosts.in_host, 4, h.pids, LAYOUT, one_config, config, args.iters,
-                                args.lat_iters, timeout=600, init_method=f"tcp://{h.addresses[0]}:{port}")
+                                args.lat_iters, sizes, timeout=600, init_method=f"tcp://{h.addresses[0]}:{port}")
                 for row in got[0]:
                     # a collective's time is its slowest rank's; the latency is rank 0's
                     value = got[0][row] if row.startswith("one-way") else max(g[row] for g in got)
