@@ -425,8 +425,12 @@ class _RankState:
         self.entries = ring.entries() if ring is not None else []
         self.left = ring is not None and ring.state == LEFT
         self.alive = (ring.alive() or self.left) if ring is not None else None   # left, then exited: not "gone"
-        blocked = [e for e in self.entries if e.state == WAITING or (e.state == POSTED and e.is_coll)]
-        self.current = blocked[-1] if blocked else None
+        newest = {}     # thread -> the newest operation it is blocked in (a thread blocks in one at a time)
+        for e in self.entries:
+            if e.state == WAITING or (e.state == POSTED and e.is_coll):
+                newest[e.thread] = e
+        self.blocked = sorted(newest.values(), key=lambda e: e.seq)   # every thread's, oldest first
+        self.current = self.blocked[-1] if self.blocked else None
         self.last = self.entries[-1] if self.entries else None
 
     def pending_p2p(self, send: bool, peer: int) -> list[Entry]:
@@ -465,8 +469,8 @@ def _members(groups: dict, gid: int) -> list[int]:
     return list(groups.get(str(gid), []))
 
 
-def _missing(s: _RankState, st: dict, groups: dict) -> list[int]:
-    e = s.current
+def _missing(s: _RankState, st: dict, groups: dict, e: Entry | None = None) -> list[int]:
+    e = s.current if e is None else e
     return [m for m in _members(groups, e.gid) if m != s.rank and m in st
             and not (st[m].reached(e.gid, e.coll) and st[m].alive is not False)]
 
@@ -479,13 +483,17 @@ def _where(s: _RankState, st: dict, groups: dict, now: int) -> str:
         return f"gone (process {s.ring.pid} no longer exists); {last}"
     if s.left:
         return f"left the job (destroy_process_group); {last}"
-    e = s.current
-    if e is None:
+    if s.current is None:
         ago = f" {_ago(s.last.ended or s.last.posted, now)} ago" if s.last else ""
         return f"not inside any shmdist call; {last}{ago}"
+    # the newest first; then each other thread that is blocked too (it may be the one that hangs)
+    return "; another thread: ".join(_blocked_in(s, e, st, groups, now) for e in reversed(s.blocked))
+
+
+def _blocked_in(s: _RankState, e: Entry, st: dict, groups: dict, now: int) -> str:
     since = e.wait_began or e.posted
     if e.is_coll:
-        missing = _missing(s, st, groups)
+        missing = _missing(s, st, groups, e)
         who = f", waiting for {_ranks(missing)}" if missing else ""
         return f"in {describe(e, groups)}{who} ({_ago(since, now)})"
     peer = "any rank" if e.peer == ANY else f"rank {e.peer}"
@@ -508,6 +516,74 @@ def _doing(s: _RankState, groups: dict, now: int) -> str:
     return f"rank {s.rank} is in {describe(s.current, groups)}"
 
 
+def _differ(r: int, e: Entry, p: int, x: Entry, groups: dict, theirs: str) -> str:
+    """The verdict for a send and a receive between the same ranks that do not match."""
+    what = "tags differ" if x.tag != e.tag else "groups differ"
+    return (f"{what}: rank {r} waits in {describe(e, groups)}, but rank {p}'s {describe(x, groups)} "
+            f"{theirs}; use the same tag and group on both sides")
+
+
+def _unreceived(ps: _RankState, s: _RankState) -> list[Entry]:
+    """The sends of ``ps`` to ``s``'s rank that completed (into the ring) and
+    that no receive of ``s`` took yet, as far as both rings still show:
+    per tag and group, the sends done beyond the receives done."""
+    r, p = s.rank, ps.rank
+    took: dict = {}
+    for x in s.entries:
+        if x.op == RECV and x.state == DONE and x.peer in (p, ANY):
+            took[(x.tag, x.gid)] = took.get((x.tag, x.gid), 0) + 1
+    out = []
+    for x in reversed([x for x in ps.entries if x.op == SEND and x.peer == r and x.state == DONE]):
+        key = (x.tag, x.gid)
+        if took.get(key, 0) > 0:
+            took[key] -= 1      # the newest receives took the newest sends
+        else:
+            out.append(x)
+    return out[::-1]
+
+
+def _recv_verdicts(r: int, e: Entry, st: dict, groups: dict, now: int) -> list[str]:
+    """A receive that blocks: does any peer send it, with the same tag and group?"""
+    peers = [p for p in st if p != r] if e.peer == ANY else [e.peer]
+    out, idle = [], []
+    for p in peers:
+        if p not in st or st[p].alive is False:
+            continue      # a gone rank is said on its own
+        ps = st[p]
+        other = ps.pending_p2p(True, r) or _unreceived(ps, st[r])
+        if any(x.tag == e.tag and x.gid == e.gid for x in other):
+            return []     # moving
+        if other:
+            out.append(_differ(r, e, p, other[-1], groups, "does not match it"))
+        else:
+            idle.append(p)
+    if out or not idle:
+        return out
+    if e.peer != ANY:
+        p = idle[0]
+        return [f"a receive nobody sends to: rank {r} waits in {describe(e, groups)}, but rank "
+                f"{p} has no send to rank {r} pending: {_doing(st[p], groups, now)}"]
+    doing = "; ".join(_doing(st[p], groups, now) for p in idle[:4]) + ("; ..." if len(idle) > 4 else "")
+    return [f"a receive nobody sends to: rank {r} waits in {describe(e, groups)}, but no rank has a send "
+            f"to rank {r} pending: {doing}"]
+
+
+def _send_verdicts(r: int, e: Entry, st: dict, groups: dict, now: int) -> list[str]:
+    """A send that blocks (too big for the ring): does its peer receive it?"""
+    p = e.peer
+    if p not in st or st[p].alive is False:
+        return []
+    ps = st[p]
+    theirs = ps.pending_p2p(False, r)
+    if any(x.tag == e.tag and x.gid == e.gid for x in theirs):
+        return []
+    if theirs:
+        x = theirs[-1]
+        return [_differ(r, e, p, x, groups, "receives with it instead")]
+    return [f"a send nobody receives: rank {r} waits in {describe(e, groups)} (too big "
+            f"to leave in the ring), but rank {p} does not receive it: {_doing(ps, groups, now)}"]
+
+
 def _verdicts(st: dict, groups: dict, now: int) -> list[str]:
     out: list[str] = []
     gone = [r for r, s in st.items() if s.ring is not None and s.alive is False]
@@ -517,51 +593,18 @@ def _verdicts(st: dict, groups: dict, now: int) -> list[str]:
                    "killer, a signal) and restart the job")
     colls: dict = {}          # (gid, coll, kind) -> waiting ranks
     for r, s in st.items():
-        e = s.current
-        if e is None or s.alive is False or s.left:
+        if s.alive is False or s.left:
             continue
-        if e.is_coll:
-            colls.setdefault((e.gid, e.coll, e.kind), []).append(r)
-            continue
-        peers = [p for p in st if p != r] if e.peer == ANY else [e.peer]
-        for p in peers:
-            if p not in st:
-                continue
-            ps = st[p]
-            if ps.alive is False:
-                continue      # said above
-            if e.op == RECV:
-                theirs = ps.pending_p2p(True, r)
-                match = [x for x in theirs if x.tag == e.tag and x.gid == e.gid]
-                if match:
-                    continue      # moving
-                sent = [x for x in ps.entries if x.op == SEND and x.peer == r and x.state == DONE]
-                if theirs or sent:
-                    x = (theirs or sent)[-1]
-                    if x.tag != e.tag or x.gid != e.gid:
-                        out.append(f"tags differ: rank {r} waits in {describe(e, groups)}, but rank {p}'s "
-                                   f"{describe(x, groups)} does not match it; use the same tag and group on "
-                                   "both sides")
-                        continue
-                if e.peer == ANY:
-                    continue
-                out.append(f"a receive nobody sends to: rank {r} waits in {describe(e, groups)}, but rank "
-                           f"{p} has no send to rank {r} pending: {_doing(ps, groups, now)}")
+        for e in s.blocked:   # every thread's
+            if e.is_coll:
+                colls.setdefault((e.gid, e.coll, e.kind), []).append(r)
+            elif e.op == RECV:
+                out += _recv_verdicts(r, e, st, groups, now)
             else:
-                theirs = ps.pending_p2p(False, r)
-                match = [x for x in theirs if x.tag == e.tag and x.gid == e.gid]
-                if match:
-                    continue
-                if theirs:
-                    x = theirs[-1]
-                    out.append(f"tags differ: rank {r} waits in {describe(e, groups)}, but rank {p} "
-                               f"receives with {describe(x, groups)}; use the same tag and group on both sides")
-                    continue
-                out.append(f"a send nobody receives: rank {r} waits in {describe(e, groups)} (too big "
-                           f"to leave in the ring), but rank {p} does not receive it: {_doing(ps, groups, now)}")
+                out += _send_verdicts(r, e, st, groups, now)
     for (gid, coll, kind), waiters in colls.items():
-        e = st[waiters[0]].current
-        missing = _missing(st[waiters[0]], st, groups)
+        e = next(x for x in st[waiters[0]].blocked if (x.gid, x.coll, x.kind) == (gid, coll, kind))
+        missing = _missing(st[waiters[0]], st, groups, e)
         call = describe(e, groups)
         for m in missing:
             ms = st[m]

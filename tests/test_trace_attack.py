@@ -1,0 +1,129 @@
+"""The flight recorder attacked from outside (issue 17): hangs that its first
+tests did not build, each with short timeouts, and the verdict they must
+get; threads; several errors at once with SHMDIST_TRACE_DIR; --hang-after
+behind newer operations; a metadata page too small for a big job."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+
+import shmdist as dist
+from test_trace import (ROOT, _idle_until, _nothing_new_in_dev_shm, _raise, _short_timeout,  # noqa: F401
+                        _timeout_text)
+
+
+# ---------------------------------------------------------------- receives
+
+def _recv_any_nobody_sends(rank, world_size, init_method, flag):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    dist.all_reduce(np.ones(2, dtype=np.float32))
+    text = ""
+    if rank == 0:
+        text = _timeout_text(lambda: dist.recv(np.zeros(2), tag=5).wait(timeout=1.0))
+        _raise(flag)
+    else:
+        _idle_until(flag)
+    dist.destroy_process_group()
+    return text
+
+
+def test_a_receive_from_any_rank_nobody_sends_to(run_ranks, tmp_path):
+    """It was "no hang found: the waiting ranks' peers are in the matching operations"."""
+    text = run_ranks(_recv_any_nobody_sends, 3, str(tmp_path / "flag"), timeout=60)[0]
+    assert "rank 0: in recv from any rank (tag 5, 16 B float64), waiting for any rank" in text
+    assert ("a receive nobody sends to: rank 0 waits in recv from any rank (tag 5, 16 B float64), but no rank "
+            "has a send to rank 0 pending: rank 1 is not inside any shmdist call") in text, text
+    assert "rank 2 is not inside any shmdist call" in text
+    assert "no hang found" not in text
+
+
+def _received_tag_then_another(rank, world_size, init_method, flag):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    text = ""
+    if rank == 0:
+        first = dist.irecv(np.zeros(2), src=1, tag=1)      # a window of two receives:
+        second = dist.irecv(np.zeros(2), src=1, tag=2)     # rank 1 sends the first one only
+        _raise(flag + ".posted")
+        text = _timeout_text(lambda: second.wait(timeout=1.5))
+        assert first.is_completed()
+        _raise(flag)
+    else:
+        _idle_until(flag + ".posted")
+        dist.send(np.ones(2), dst=0, tag=1).wait()
+        _idle_until(flag)
+    dist.destroy_process_group()
+    return text
+
+
+def test_a_send_already_received_is_not_a_tag_that_differs(run_ranks, tmp_path):
+    """Rank 1's send with tag 1 was taken by rank 0's receive with tag 1: the
+    receive with tag 2 has nobody sending to it. It was "tags differ"."""
+    text = run_ranks(_received_tag_then_another, 2, str(tmp_path / "flag"), timeout=60)[0]
+    assert ("a receive nobody sends to: rank 0 waits in recv from rank 1 (tag 2, 16 B float64), but rank 1 has "
+            "no send to rank 0 pending: rank 1 is not inside any shmdist call; its last operation, send to rank 0 "
+            "(tag 1, 16 B float64)") in text, text
+    assert "tags differ" not in text
+
+
+def _groups_differ(rank, world_size, init_method, flag):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    sub = dist.new_group([0, 2])
+    text = ""
+    if rank == 0:      # receives within the group, rank 2 sends on WORLD: same tag, another group
+        text = _timeout_text(lambda: dist.recv(np.zeros(2), src=2, group=sub, tag=2).wait(timeout=1.5))
+        _raise(flag)
+    else:
+        if rank == 2:
+            dist.send(np.ones(2), dst=0, tag=2).wait()
+        _idle_until(flag)
+    dist.destroy_process_group()
+    return text
+
+
+def test_groups_that_differ_are_not_called_tags_that_differ(run_ranks, tmp_path):
+    text = run_ranks(_groups_differ, 3, str(tmp_path / "flag"), timeout=60)[0]
+    assert ("groups differ: rank 0 waits in recv from rank 2 (tag 2, 16 B float64, group [0, 2]), but rank 2's "
+            "send to rank 0 (tag 2, 16 B float64) does not match it; use the same tag and group on both sides") \
+        in text, text
+    assert "tags differ" not in text
+
+
+# ---------------------------------------------------------------- threads
+
+def _two_threads_blocked(rank, world_size, init_method, flag):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    dist.all_reduce(np.ones(2, dtype=np.float32))
+    text = ""
+    if rank == 0:
+        _short_timeout(1.5)
+        got = []
+        t = threading.Thread(target=lambda: got.append(_timeout_text(
+            lambda: dist.recv(np.zeros(2), src=1, tag=1).wait(timeout=3.0))))
+        t.start()
+        time.sleep(0.3)
+        text = _timeout_text(lambda: dist.barrier())    # rank 1 never calls it
+        t.join(30)
+        _raise(flag)
+    else:
+        _idle_until(flag)
+    dist.destroy_process_group()
+    return text
+
+
+def test_every_blocked_thread_is_in_the_table(run_ranks, tmp_path):
+    """A thread waits in a receive nobody sends to while the main thread
+    waits in a barrier: the barrier's timeout shows both, with both verdicts
+    (the table showed the barrier only)."""
+    text = run_ranks(_two_threads_blocked, 2, str(tmp_path / "flag"), timeout=60)[0]
+    assert ("rank 0: in barrier #2 of WORLD, waiting for rank 1 (") in text, text
+    assert "; another thread: in recv from rank 1 (tag 1, 16 B float64), waiting for rank 1 (" in text
+    assert ("a receive nobody sends to: rank 0 waits in recv from rank 1 (tag 1, 16 B float64), but rank 1 has "
+            "no send to rank 0 pending") in text
+    assert "a rank that never called it: rank 0 waits in barrier #2 of WORLD, but rank 1 is not inside" in text
