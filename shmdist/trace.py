@@ -720,18 +720,23 @@ def write_history(error_text: str = "", diagnosis: str = "") -> list[str]:
     if not where or ring is None:
         return []
     if error_text:
-        _errors_seen.append(error_text)
-        del _errors_seen[:-20]
-    hist = history(ring, _errors_seen, diagnosis)
-    os.makedirs(where, exist_ok=True)
-    path = os.path.join(where, f"shmdist-trace-rank{ring.rank}.json")
-    fr = os.path.join(where, f"{FR_PREFIX}{ring.rank}")
-    for p, data in ((path, json.dumps(hist, indent=1).encode()), (fr, pickle.dumps(torch_fr(hist)))):
-        tmp = f"{p}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, p)
+        with _write_lock:
+            _errors_seen.append(error_text)
+            del _errors_seen[:-20]
+    with _write_lock:       # threads that fail at once: one writer at a time, the last has every error
+        hist = history(ring, _errors_seen, diagnosis)
+        os.makedirs(where, exist_ok=True)
+        path = os.path.join(where, f"shmdist-trace-rank{ring.rank}.json")
+        fr = os.path.join(where, f"{FR_PREFIX}{ring.rank}")
+        for p, data in ((path, json.dumps(hist, indent=1).encode()), (fr, pickle.dumps(torch_fr(hist)))):
+            tmp = f"{p}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, p)
     return [path, fr]
+
+
+_write_lock = threading.Lock()
 
 
 def on_error(e: BaseException) -> None:

@@ -127,3 +127,38 @@ def test_every_blocked_thread_is_in_the_table(run_ranks, tmp_path):
     assert ("a receive nobody sends to: rank 0 waits in recv from rank 1 (tag 1, 16 B float64), but rank 1 has "
             "no send to rank 0 pending") in text
     assert "a rank that never called it: rank 0 waits in barrier #2 of WORLD, but rank 1 is not inside" in text
+
+
+def _threads_fail_at_once(rank, world_size, init_method, flag):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    if rank == 0:
+        go = threading.Barrier(8)
+
+        def one(i):
+            req = dist.irecv(np.zeros(2), src=1, tag=100 + i)
+            go.wait()
+            _timeout_text(lambda: req.wait(timeout=0.5))
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        _raise(flag)
+    else:
+        _idle_until(flag)
+    dist.destroy_process_group()
+
+
+def test_history_of_errors_in_several_threads_at_once(run_ranks, tmp_path, capfd):
+    """Eight threads time out together: the history is one JSON object with
+    every error (the writers shared one temporary file: 'Extra data' JSON
+    and 'No such file' complaints)."""
+    where = tmp_path / "h"
+    for _ in range(2):
+        run_ranks(_threads_fail_at_once, 2, str(tmp_path / "flag"), timeout=60, env={"SHMDIST_TRACE_DIR": str(where)})
+        os.unlink(tmp_path / "flag")
+        hist = json.loads((where / "shmdist-trace-rank0.json").read_text())
+        assert len(hist["errors"]) == 8 and all("Timed out" in e for e in hist["errors"])
+        assert sorted(e["tag"] for e in hist["entries"] if e["state"] == "failed") == list(range(100, 108))
+        assert sorted(os.listdir(where)) == ["shmdist-trace-rank0.json", "shmdist_fr_trace_rank_0"]
+    assert "flight recorder:" not in capfd.readouterr().err
