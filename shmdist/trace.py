@@ -814,8 +814,9 @@ class JobWatch:
             return ""
         if self.reported or now - self.changed_at < self.hang_after:
             return ""
+        # any entry, not only the newest: a thread may wait behind what other threads did since
         waiting = any(e.state == WAITING or (e.is_coll and e.open)
-                      for r in self.rings.values() for e in r.entries()[-8:])
+                      for r in self.rings.values() for e in r.entries())
         if not waiting:
             return ""
         self.reported = True

@@ -162,3 +162,41 @@ def test_history_of_errors_in_several_threads_at_once(run_ranks, tmp_path, capfd
         assert sorted(e["tag"] for e in hist["entries"] if e["state"] == "failed") == list(range(100, 108))
         assert sorted(os.listdir(where)) == ["shmdist-trace-rank0.json", "shmdist_fr_trace_rank_0"]
     assert "flight recorder:" not in capfd.readouterr().err
+
+
+# ---------------------------------------------------------------- shmdist-run --hang-after
+
+BEHIND = textwrap.dedent("""
+    import threading, time
+    import numpy as np
+    import shmdist as dist
+    dist.init_process_group()
+    rank = dist.get_rank()
+    if rank == 0:    # a thread waits for a message rank 1 sends late
+        t = threading.Thread(target=lambda: dist.recv(np.zeros(2), src=1, tag=1).wait())
+        t.start()
+        time.sleep(0.3)
+    for _ in range(20):     # more operations than the launcher looked at
+        dist.all_reduce(np.ones(2))
+    time.sleep(5)
+    if rank == 1:
+        dist.send(np.ones(2), dst=0, tag=1).wait()
+    else:
+        t.join()
+    dist.destroy_process_group()
+""")
+
+
+def test_hang_after_sees_a_thread_that_waits_behind_newer_operations(tmp_path):
+    """No rank moves for 5 s while a thread of rank 0 waits: --hang-after 1
+    says so, though 20 collectives came after the receive (it looked only
+    at each ring's last 8 entries)."""
+    script = tmp_path / "behind.py"
+    script.write_text(BEHIND)
+    out = subprocess.run([sys.executable, "-m", "shmdist.run", "-n", "2", "--hang-after", "1", str(script)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT, SHMDIST_TIMEOUT="60"))
+    assert out.returncode == 0, out.stderr
+    assert "shmdist-run: no rank progressed for" in out.stderr, out.stderr
+    assert "rank 0: in recv from rank 1 (tag 1, 16 B float64), waiting for rank 1" in out.stderr
+    assert "a receive nobody sends to: rank 0 waits in recv from rank 1 (tag 1, 16 B float64)" in out.stderr
