@@ -237,6 +237,19 @@ def waiting(req) -> None:
         _core.trace_set(req._tseq, WAITING)
 
 
+def not_waiting(req) -> None:
+    """wait() on ``req`` left without its completing (KeyboardInterrupt, or
+    any exception that is no DistError): the request is still pending, no
+    longer waited for; it must not read as waiting for ever."""
+    seq = req._tseq
+    if not seq or _own is None or _own.pid != os.getpid():
+        return
+    at = HEAD + (seq % _own.capacity) * ENTRY
+    if (_U64.unpack_from(_own.mm, at + layout.TRACE_E_SEQ)[0] == seq
+            and _U32.unpack_from(_own.mm, at + layout.TRACE_E_STATE)[0] == WAITING):
+        _core.trace_set(seq, POSTED)
+
+
 def _after_fork() -> None:
     global _own, _joined
     _core.trace_attach(0, 0)      # the parent's ring is not this process's to write
@@ -429,6 +442,9 @@ class _RankState:
         for e in self.entries:
             if e.state == WAITING or (e.state == POSTED and e.is_coll):
                 newest[e.thread] = e
+            elif e.thread in newest and e.posted > (newest[e.thread].wait_began or newest[e.thread].posted):
+                del newest[e.thread]    # posted after that wait began: the thread left it (an exception
+                #                         that was no DistError, e.g. KeyboardInterrupt, left it "waiting")
         self.blocked = sorted(newest.values(), key=lambda e: e.seq)   # every thread's, oldest first
         self.current = self.blocked[-1] if self.blocked else None
         self.last = self.entries[-1] if self.entries else None
@@ -814,9 +830,8 @@ class JobWatch:
             return ""
         if self.reported or now - self.changed_at < self.hang_after:
             return ""
-        # any entry, not only the newest: a thread may wait behind what other threads did since
-        waiting = any(e.state == WAITING or (e.is_coll and e.open)
-                      for r in self.rings.values() for e in r.entries())
+        # any thread's, not only in the newest entries: a thread may wait behind what others did since
+        waiting = any(_RankState(rank, ring).blocked for rank, ring in self.rings.items())
         if not waiting:
             return ""
         self.reported = True

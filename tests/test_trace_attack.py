@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -200,3 +201,61 @@ def test_hang_after_sees_a_thread_that_waits_behind_newer_operations(tmp_path):
     assert "shmdist-run: no rank progressed for" in out.stderr, out.stderr
     assert "rank 0: in recv from rank 1 (tag 1, 16 B float64), waiting for rank 1" in out.stderr
     assert "a receive nobody sends to: rank 0 waits in recv from rank 1 (tag 1, 16 B float64)" in out.stderr
+
+
+# ---------------------------------------------------------------- a wait left by KeyboardInterrupt
+
+INTERRUPTED = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    import shmdist as dist
+    dist.init_process_group()
+    rank = dist.get_rank()
+    with open(os.path.join(sys.argv[1], f"ready{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == 0:
+        try:
+            dist.recv(np.zeros(2), src=1, tag=1).wait()     # Ctrl-C gets it out
+        except KeyboardInterrupt:
+            pass
+    dist.all_reduce(np.ones(2))
+    if rank == 0:
+        print("computing", file=sys.stderr, flush=True)
+        open(os.path.join(sys.argv[1], "computing"), "w").close()
+    time.sleep(4)            # both compute, outside any shmdist call
+    dist.destroy_process_group()
+""")
+
+
+def test_a_wait_left_by_keyboard_interrupt_is_no_longer_waiting(tmp_path):
+    """Ctrl-C out of a recv's wait, then on: the entry stayed 'waiting' for
+    ever, so the doctor said 'rank 0: in recv' while rank 0 computed and
+    --hang-after reported ranks that only computed. Now the wait leaves it
+    posted (it is still pending) and the doctor reads rank 0 as idle."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED)
+    p = subprocess.Popen([sys.executable, "-m", "shmdist.run", "-n", "2", "--hang-after", "1", str(script),
+                          str(tmp_path)], stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT, SHMDIST_TIMEOUT="60"))
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(int((tmp_path / "ready0").read_text()), signal.SIGINT)
+        while not (tmp_path / "computing").exists():
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)
+        doc = subprocess.run([sys.executable, "-m", "shmdist.doctor", str(p.pid)], capture_output=True,
+                             text=True, timeout=60, cwd=ROOT)
+        assert "rank 0: not inside any shmdist call; last: all_reduce #1 of WORLD" in doc.stdout, doc.stdout
+        assert "verdict" not in doc.stdout
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err
+    assert "no rank progressed" not in err.partition("computing")[2], err
