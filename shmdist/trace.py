@@ -85,13 +85,35 @@ class _Own:
 
     def set_meta(self, **fields) -> None:
         self.meta.update(fields)
-        data = json.dumps(self.meta).encode()[:META_MAX]
+        data = _fitted(self.meta)
         _U32.pack_into(self.mm, layout.TRACE_H_META_LEN, 0)
         self.mm[META_AT:META_AT + len(data)] = data
         _U32.pack_into(self.mm, layout.TRACE_H_META_LEN, len(data))
 
     def set_state(self, state: int) -> None:
         _U32.pack_into(self.mm, layout.TRACE_H_STATE, state)
+
+
+def _fitted(meta: dict) -> bytes:
+    """The metadata as JSON that fits its page (cut short, it would not
+    parse, and the job, rank and pids would be lost with the rest): what
+    does not fit goes, the oldest groups first (their entries then name
+    them by number; the default group's ranks are known from world_size),
+    then the local ranks' pids (the doctor finds the others through
+    shmdist-run then)."""
+    data = json.dumps(meta).encode()
+    if len(data) <= META_MAX:
+        return data
+    meta = dict(meta)
+    groups = dict(meta.get("groups", {}))
+    while groups and len(data) > META_MAX:
+        del groups[next(iter(groups))]
+        meta["groups"] = groups
+        data = json.dumps(meta).encode()
+    if len(data) > META_MAX:
+        meta.pop("pids", None)
+        data = json.dumps(meta).encode()
+    return data if len(data) <= META_MAX else json.dumps({"job": None}).encode()
 
 
 _own: _Own | None = None
@@ -661,7 +683,8 @@ def local_report() -> str:
 def history(ring: Ring, errors_seen=(), diagnosis: str = "") -> dict:
     """A ring's entries as the documented JSON object."""
     meta = ring.meta()
-    groups = meta.get("groups", {})
+    groups = dict(meta.get("groups", {}))
+    groups.setdefault("0", list(range(max(ring.world_size, meta.get("world_size") or 0))))   # (left out of a full page)
     out = []
     for e in ring.entries():
         d = {"seq": e.seq, "op": e.kind, "state": STATES.get(e.state, str(e.state)),

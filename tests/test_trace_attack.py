@@ -259,3 +259,29 @@ def test_a_wait_left_by_keyboard_interrupt_is_no_longer_waiting(tmp_path):
             p.communicate()
     assert p.returncode == 0, err
     assert "no rank progressed" not in err.partition("computing")[2], err
+
+
+# ---------------------------------------------------------------- a big job's metadata
+
+def test_metadata_that_does_not_fit_its_page_keeps_the_job_and_rank():
+    """Many ranks and groups: the JSON metadata outgrew its page and was cut
+    short, so it no longer parsed: the job id, the rank's pids and every
+    group were lost (the doctor by job id found nothing). Now the oldest
+    groups, then the pids, are left out until it fits."""
+    from shmdist import trace
+    own = trace._Own(4)
+    try:
+        n = 300
+        own.set_meta(job="big-job", rank=7, world_size=n, groups={str(g): list(range(n)) for g in range(3)},
+                     pids={str(r): 4_000_000 + r for r in range(n)})
+        meta = trace.Ring(own.mm).meta()
+        assert meta["job"] == "big-job" and meta["rank"] == 7 and meta["world_size"] == n
+        own.set_meta(pids={str(r): 4_000_000 + r for r in range(8)},
+                     groups={str(g): list(range(n)) if g < 3 else [g, g + 1] for g in range(6)})
+        meta = trace.Ring(own.mm).meta()
+        assert meta["job"] == "big-job" and len(meta["pids"]) == 8
+        assert meta["groups"]["5"] == [5, 6], "the newest groups are kept"
+        hist = trace.history(trace.Ring(own.mm))
+        assert hist["job"] == "big-job" and hist["groups"]["0"] == list(range(n))
+    finally:
+        own.mm.close()
