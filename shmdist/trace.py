@@ -152,8 +152,11 @@ def start(rank: int, world_size: int) -> None:
     struct.pack_into("<qq", _own.mm, layout.TRACE_H_RANK, rank, world_size)
     _own.set_state(LIVE)
     _own.meta = {}
+    # since: this job's first entry; those before are an earlier job's of this process (a re-init),
+    # whose group ids and collective numbers would read as this one's
+    since = _U64.unpack_from(_own.mm, layout.TRACE_H_WRITTEN)[0] + 1
     _own.set_meta(job=settings.get("SHMDIST_JOB_ID"), rank=rank, world_size=world_size,
-                  groups={"0": list(range(world_size))})
+                  groups={"0": list(range(world_size))}, since=since)
     _world_size = world_size
     _core.trace_attach(_own.addr, _own.capacity)
 
@@ -341,11 +344,13 @@ class Ring:
         return {}
 
     def entries(self) -> list[Entry]:
-        """The entries still in the ring, oldest first (ones being rewritten are skipped)."""
+        """The entries of this job still in the ring, oldest first (ones being
+        rewritten are skipped; those of an earlier job of the process too)."""
         mm, cap = self.mm, self.capacity
+        since = self.meta().get("since") or 1
         written = _U64.unpack_from(mm, layout.TRACE_H_WRITTEN)[0]
         out = []
-        for seq in range(max(1, written - cap + 1), written + 1):
+        for seq in range(max(1, since, written - cap + 1), written + 1):
             at = HEAD + (seq % cap) * ENTRY
             fields = _ENT.unpack_from(mm, at)
             if fields[0] != seq or _U64.unpack_from(mm, at + layout.TRACE_E_SEQ)[0] != seq:

@@ -285,3 +285,37 @@ def test_metadata_that_does_not_fit_its_page_keeps_the_job_and_rank():
         assert hist["job"] == "big-job" and hist["groups"]["0"] == list(range(n))
     finally:
         own.mm.close()
+
+
+# ---------------------------------------------------------------- a second job in the same processes
+
+def _reinit_then_skip(rank, world_size, init_method, port, flag):
+    x = np.ones(4, dtype=np.float32)
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    for _ in range(5):
+        dist.all_reduce(x)          # the first job: collectives #1 to #5 of WORLD
+    dist.destroy_process_group()
+    dist.init_process_group("shm", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=60)
+    dist.all_reduce(x)              # the second job's #1
+    text = ""
+    if rank == 0:
+        _short_timeout(1.5)
+        text = _timeout_text(lambda: dist.broadcast(x, src=0))    # #2: rank 1 never calls it
+        _raise(flag)
+    else:
+        _idle_until(flag)
+    dist.destroy_process_group()
+    return text
+
+
+def test_an_earlier_job_of_the_same_processes_does_not_count(run_ranks, tmp_path):
+    """The ring is kept across a re-init: rank 1's all_reduce #5 of the first
+    job read as having reached broadcast #2 of the second, so the verdict was
+    'no hang found' and rank 0 waited for nobody."""
+    from test_trace import _free_ports
+    text = run_ranks(_reinit_then_skip, 2, _free_ports(1)[0], str(tmp_path / "flag"), timeout=90)[0]
+    assert "rank 0: in broadcast #2 of WORLD (root 0, 16 B float32), waiting for rank 1" in text, text
+    assert "rank 1: not inside any shmdist call; last: all_reduce #1 of WORLD (SUM, 16 B float32), done" in text
+    assert ("a rank that never called it: rank 0 waits in broadcast #2 of WORLD (root 0, 16 B float32), but "
+            "rank 1 is not inside any shmdist call") in text
+    assert "no hang found" not in text
