@@ -777,7 +777,18 @@ def write_history(error_text: str = "", diagnosis: str = "") -> list[str]:
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, p)
-    return [path, fr]
+        written = [path, fr]
+        # torch's analyzer wants every rank's dump, and a hang often fails one rank only: write
+        # those of the local ranks this one maps too (their state as read now; a rank that meets
+        # an error of its own rewrites its own)
+        for r, peer in sorted(_peers.items()):
+            p = os.path.join(where, f"{FR_PREFIX}{r}")
+            tmp = f"{p}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(pickle.dumps(torch_fr(history(peer))))
+            os.replace(tmp, p)
+            written.append(p)
+    return written
 
 
 _write_lock = threading.Lock()

@@ -14,6 +14,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 import shmdist as dist
 from test_trace import (ROOT, _idle_until, _nothing_new_in_dev_shm, _raise, _short_timeout,  # noqa: F401
@@ -161,7 +162,7 @@ def test_history_of_errors_in_several_threads_at_once(run_ranks, tmp_path, capfd
         hist = json.loads((where / "shmdist-trace-rank0.json").read_text())
         assert len(hist["errors"]) == 8 and all("Timed out" in e for e in hist["errors"])
         assert sorted(e["tag"] for e in hist["entries"] if e["state"] == "failed") == list(range(100, 108))
-        assert sorted(os.listdir(where)) == ["shmdist-trace-rank0.json", "shmdist_fr_trace_rank_0"]
+        assert not [n for n in os.listdir(where) if n.endswith(".tmp")]
     assert "flight recorder:" not in capfd.readouterr().err
 
 
@@ -319,3 +320,36 @@ def test_an_earlier_job_of_the_same_processes_does_not_count(run_ranks, tmp_path
     assert ("a rank that never called it: rank 0 waits in broadcast #2 of WORLD (root 0, 16 B float32), but "
             "rank 1 is not inside any shmdist call") in text
     assert "no hang found" not in text
+
+
+# ---------------------------------------------------------------- torch's analyzer on a one-sided hang
+
+def _one_rank_fails(rank, world_size, init_method, flag):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    x = np.ones(4, dtype=np.float32)
+    dist.all_reduce(x)
+    if rank == 0:
+        _short_timeout(1.0)
+        _timeout_text(lambda: dist.broadcast(x, src=0))     # #2: rank 1 never calls it
+        _raise(flag)
+    else:
+        _idle_until(flag)
+    dist.destroy_process_group()
+
+
+def test_torch_analyzer_reads_a_hang_where_one_rank_fails(run_ranks, tmp_path):
+    """The classic hang fails one rank only: its dump alone made torch's
+    analyzer stop at 'Missing dump files from ranks {1}'. The failing rank
+    writes the dumps of the local ranks it maps too (their JSON history
+    stays its own to write)."""
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    where = tmp_path / "h"
+    run_ranks(_one_rank_fails, 2, str(tmp_path / "flag"), timeout=60, env={"SHMDIST_TRACE_DIR": str(where)})
+    assert sorted(os.listdir(where)) == ["shmdist-trace-rank0.json", "shmdist_fr_trace_rank_0",
+                                         "shmdist_fr_trace_rank_1"]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(where),
+                          "-p", "shmdist_fr_trace_rank_"], capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert "Missing dump files" not in text, text
+    assert "Not all ranks joining collective, sequence number: 2" in text, text
+    assert "collective: gloo:broadcast" in text and "missing ranks: {1}" in text, text
