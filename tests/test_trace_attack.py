@@ -353,3 +353,38 @@ def test_torch_analyzer_reads_a_hang_where_one_rank_fails(run_ranks, tmp_path):
     assert "Missing dump files" not in text, text
     assert "Not all ranks joining collective, sequence number: 2" in text, text
     assert "collective: gloo:broadcast" in text and "missing ranks: {1}" in text, text
+
+
+# ---------------------------------------------------------------- the doctor pointed at the wrong thing
+
+def _doctor(target):
+    return subprocess.run([sys.executable, "-m", "shmdist.doctor", str(target)], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+
+
+def test_doctor_on_a_job_that_ended_or_another_users_process_says_which():
+    """Both said 'no flight recorder found ... give the pid of a rank', which
+    the user had just done."""
+    ended = subprocess.Popen(["true"])
+    ended.wait(30)
+    doc = _doctor(ended.pid)
+    assert doc.returncode == 2 and f"no process {ended.pid}: the job has ended" in doc.stderr, doc.stderr
+    if os.geteuid() != 0:
+        pytest.skip("another user's process needs root to start here")
+    other = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"])
+    try:
+        time.sleep(0.3)
+        doc = _doctor(other.pid)
+        assert doc.returncode == 2 and f"process {other.pid} belongs to user" in doc.stderr, doc.stderr
+        assert "(uid 65534): a flight recorder opens only for the user that runs the job" in doc.stderr
+    finally:
+        other.kill()
+        other.wait(30)
+
+
+def test_hang_after_must_be_above_0():
+    """0 turned it off without a word; -1 reported every wait longer than a poll."""
+    for value in ("0", "-1"):
+        out = subprocess.run([sys.executable, "-m", "shmdist.run", "--hang-after", value, "-n", "1", "x.py"],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert out.returncode == 2 and f"--hang-after {value} must be a number of seconds above 0" in out.stderr
