@@ -469,9 +469,12 @@ class _RankState:
         for e in self.entries:
             if e.state == WAITING or (e.state == POSTED and e.is_coll):
                 newest[e.thread] = e
-            elif e.thread in newest and e.posted > (newest[e.thread].wait_began or newest[e.thread].posted):
-                del newest[e.thread]    # posted after that wait began: the thread left it (an exception
-                #                         that was no DistError, e.g. KeyboardInterrupt, left it "waiting")
+            elif (e.thread in newest and newest[e.thread].is_coll
+                  and e.posted > (newest[e.thread].wait_began or newest[e.thread].posted)):
+                # posted after that collective began to wait: the thread left it (an exception that was
+                # no DistError, e.g. KeyboardInterrupt, left it open). Not for a send or receive: another
+                # thread may wait for it while its poster goes on (Engine.wait_for says when a wait is left)
+                del newest[e.thread]
         self.blocked = sorted(newest.values(), key=lambda e: e.seq)   # every thread's, oldest first
         self.current = self.blocked[-1] if self.blocked else None
         self.last = self.entries[-1] if self.entries else None

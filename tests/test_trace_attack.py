@@ -388,3 +388,36 @@ def test_hang_after_must_be_above_0():
         out = subprocess.run([sys.executable, "-m", "shmdist.run", "--hang-after", value, "-n", "1", "x.py"],
                              capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert out.returncode == 2 and f"--hang-after {value} must be a number of seconds above 0" in out.stderr
+
+
+# ---------------------------------------------------------------- posted in one thread, waited in another
+
+def _waited_elsewhere(rank, world_size, init_method, flag):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    x = np.ones(2, dtype=np.float32)
+    text = ""
+    if rank == 0:
+        req = dist.irecv(np.zeros(2), src=1, tag=1)       # rank 1 never sends it
+        got = []
+        t = threading.Thread(target=lambda: got.append(_timeout_text(lambda: req.wait(timeout=2.0))))
+        t.start()
+        time.sleep(0.3)
+        for _ in range(3):          # the thread that posted it goes on
+            dist.all_reduce(x)
+        t.join(30)
+        text = got[0]
+        _raise(flag)
+    else:
+        for _ in range(3):
+            dist.all_reduce(x)
+        _idle_until(flag)
+    dist.destroy_process_group()
+    return text
+
+
+def test_a_receive_waited_in_another_thread_than_its_poster(run_ranks, tmp_path):
+    """A thread that posted a receive goes on while another thread waits
+    for it: the wait is still where the rank hangs."""
+    text = run_ranks(_waited_elsewhere, 2, str(tmp_path / "flag"), timeout=60)[0]
+    assert "rank 0: in recv from rank 1 (tag 1, 16 B float64), waiting for rank 1" in text, text
+    assert "a receive nobody sends to: rank 0 waits in recv from rank 1 (tag 1, 16 B float64)" in text
