@@ -843,6 +843,7 @@ class JobWatch:
         self.changes = -1
         self.changed_at = time.monotonic()
         self.reported = False
+        self.idle = -1         # the change count at which no rank was found waiting
 
     def hold(self, procs: dict) -> None:
         """Open the ring of every rank (global rank -> Popen) not held yet."""
@@ -872,9 +873,12 @@ class JobWatch:
             return ""
         if self.reported or now - self.changed_at < self.hang_after:
             return ""
+        if self.idle == changes:
+            return ""         # read at this count already: nobody waits (ranks compute); nothing changed
         # any thread's, not only in the newest entries: a thread may wait behind what others did since
         waiting = any(_RankState(rank, ring).blocked for rank, ring in self.rings.items())
         if not waiting:
+            self.idle = changes
             return ""
         self.reported = True
         return f"no rank progressed for {now - self.changed_at:.0f} s:\n{self.report()}"
