@@ -590,7 +590,8 @@ def _unreceived(ps: _RankState, s: _RankState) -> list[Entry]:
 
 def _recv_verdicts(r: int, e: Entry, st: dict, groups: dict, now: int) -> list[str]:
     """A receive that blocks: does any peer send it, with the same tag and group?"""
-    peers = [p for p in st if p != r] if e.peer == ANY else [e.peer]
+    members = _members(groups, e.gid) or list(st)     # from any rank: any member of its group
+    peers = [p for p in members if p != r] if e.peer == ANY else [e.peer]
     out, idle = [], []
     for p in peers:
         if p not in st or st[p].alive is False:

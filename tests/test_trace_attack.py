@@ -421,3 +421,24 @@ def test_a_receive_waited_in_another_thread_than_its_poster(run_ranks, tmp_path)
     text = run_ranks(_waited_elsewhere, 2, str(tmp_path / "flag"), timeout=60)[0]
     assert "rank 0: in recv from rank 1 (tag 1, 16 B float64), waiting for rank 1" in text, text
     assert "a receive nobody sends to: rank 0 waits in recv from rank 1 (tag 1, 16 B float64)" in text
+
+
+def _recv_any_in_a_group(rank, world_size, init_method, flag):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    sub = dist.new_group([0, 2])
+    text = ""
+    if rank == 0:
+        text = _timeout_text(lambda: dist.recv(np.zeros(2), group=sub, tag=3).wait(timeout=1.0))
+        _raise(flag)
+    else:
+        _idle_until(flag)
+    dist.destroy_process_group()
+    return text
+
+
+def test_a_receive_from_any_member_of_a_group_names_the_members_only(run_ranks, tmp_path):
+    text = run_ranks(_recv_any_in_a_group, 3, str(tmp_path / "flag"), timeout=60)[0]
+    verdict = text.partition("verdict:")[2]
+    assert ("a receive nobody sends to: rank 0 waits in recv from any rank (tag 3, 16 B float64, group [0, 2]), "
+            "but no rank has a send to rank 0 pending: rank 2 is not inside any shmdist call") in verdict, text
+    assert "rank 1" not in verdict
