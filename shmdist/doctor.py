@@ -87,6 +87,29 @@ def find(target: str) -> dict:
     return out
 
 
+def _why_none(target: str) -> str:
+    """What to tell when ``target`` gave no flight recorder."""
+    what = (f"no flight recorder found for {target!r}: give the pid of a rank or of shmdist-run, or the job's "
+            "SHMDIST_JOB_ID, of a job of this user that is running (and was not started with SHMDIST_TRACE=0)")
+    if not target.isdigit():
+        return what
+    try:
+        owner = os.stat(f"/proc/{target}").st_uid
+    except OSError:
+        return (f"no process {target}: the job has ended (its flight recorders went with its processes; "
+                "with SHMDIST_TRACE_DIR set, the ranks that met an error left their history there), or it is "
+                "not a pid; a job id is the SHMDIST_JOB_ID value")
+    if owner != os.geteuid():
+        try:
+            import pwd
+            name = f"{pwd.getpwuid(owner).pw_name} (uid {owner})"
+        except (ImportError, KeyError):
+            name = f"uid {owner}"
+        return (f"process {target} belongs to user {name}: a flight recorder opens only for the user "
+                "that runs the job; run the doctor as that user")
+    return what
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m shmdist.doctor",
                                 description="Show where each rank of a running shmdist job is and why it waits "
@@ -96,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     rings = find(a.target)
     if not rings:
-        print(f"shmdist.doctor: no flight recorder found for {a.target!r}: give the pid of a rank or of "
-              "shmdist-run, or the job's SHMDIST_JOB_ID, of a job of this user that is running (and was "
-              "not started with SHMDIST_TRACE=0)", file=sys.stderr)
+        print(f"shmdist.doctor: {_why_none(a.target)}", file=sys.stderr)
         return 2
     world = max(r.world_size for r in rings.values())
     if a.json:

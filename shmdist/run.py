@@ -75,6 +75,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if a.master_port is None and a.nnodes > 1:
         p.error("with --nnodes > 1 pass --master-port (the same on every host); "
                 "a free port picked here would not be known to the other hosts")
+    if a.hang_after is not None and not a.hang_after > 0:    # (0 turned it off, below 0 spoke at every wait)
+        p.error(f"--hang-after {a.hang_after:g} must be a number of seconds above 0")
     if a.master_port is not None and not 0 < a.master_port < 65536:
         p.error(f"--master-port {a.master_port} is not a TCP port (1-65535)")
     return a

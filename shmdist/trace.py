@@ -85,13 +85,35 @@ class _Own:
 
     def set_meta(self, **fields) -> None:
         self.meta.update(fields)
-        data = json.dumps(self.meta).encode()[:META_MAX]
+        data = _fitted(self.meta)
         _U32.pack_into(self.mm, layout.TRACE_H_META_LEN, 0)
         self.mm[META_AT:META_AT + len(data)] = data
         _U32.pack_into(self.mm, layout.TRACE_H_META_LEN, len(data))
 
     def set_state(self, state: int) -> None:
         _U32.pack_into(self.mm, layout.TRACE_H_STATE, state)
+
+
+def _fitted(meta: dict) -> bytes:
+    """The metadata as JSON that fits its page (cut short, it would not
+    parse, and the job, rank and pids would be lost with the rest): what
+    does not fit goes, the oldest groups first (their entries then name
+    them by number; the default group's ranks are known from world_size),
+    then the local ranks' pids (the doctor finds the others through
+    shmdist-run then)."""
+    data = json.dumps(meta).encode()
+    if len(data) <= META_MAX:
+        return data
+    meta = dict(meta)
+    groups = dict(meta.get("groups", {}))
+    while groups and len(data) > META_MAX:
+        del groups[next(iter(groups))]
+        meta["groups"] = groups
+        data = json.dumps(meta).encode()
+    if len(data) > META_MAX:
+        meta.pop("pids", None)
+        data = json.dumps(meta).encode()
+    return data if len(data) <= META_MAX else json.dumps({"job": None}).encode()
 
 
 _own: _Own | None = None
@@ -130,8 +152,11 @@ def start(rank: int, world_size: int) -> None:
     struct.pack_into("<qq", _own.mm, layout.TRACE_H_RANK, rank, world_size)
     _own.set_state(LIVE)
     _own.meta = {}
+    # since: this job's first entry; those before are an earlier job's of this process (a re-init),
+    # whose group ids and collective numbers would read as this one's
+    since = _U64.unpack_from(_own.mm, layout.TRACE_H_WRITTEN)[0] + 1
     _own.set_meta(job=settings.get("SHMDIST_JOB_ID"), rank=rank, world_size=world_size,
-                  groups={"0": list(range(world_size))})
+                  groups={"0": list(range(world_size))}, since=since)
     _world_size = world_size
     _core.trace_attach(_own.addr, _own.capacity)
 
@@ -237,6 +262,19 @@ def waiting(req) -> None:
         _core.trace_set(req._tseq, WAITING)
 
 
+def not_waiting(req) -> None:
+    """wait() on ``req`` left without its completing (KeyboardInterrupt, or
+    any exception that is no DistError): the request is still pending, no
+    longer waited for; it must not read as waiting for ever."""
+    seq = req._tseq
+    if not seq or _own is None or _own.pid != os.getpid():
+        return
+    at = HEAD + (seq % _own.capacity) * ENTRY
+    if (_U64.unpack_from(_own.mm, at + layout.TRACE_E_SEQ)[0] == seq
+            and _U32.unpack_from(_own.mm, at + layout.TRACE_E_STATE)[0] == WAITING):
+        _core.trace_set(seq, POSTED)
+
+
 def _after_fork() -> None:
     global _own, _joined
     _core.trace_attach(0, 0)      # the parent's ring is not this process's to write
@@ -306,11 +344,13 @@ class Ring:
         return {}
 
     def entries(self) -> list[Entry]:
-        """The entries still in the ring, oldest first (ones being rewritten are skipped)."""
+        """The entries of this job still in the ring, oldest first (ones being
+        rewritten are skipped; those of an earlier job of the process too)."""
         mm, cap = self.mm, self.capacity
+        since = self.meta().get("since") or 1
         written = _U64.unpack_from(mm, layout.TRACE_H_WRITTEN)[0]
         out = []
-        for seq in range(max(1, written - cap + 1), written + 1):
+        for seq in range(max(1, since, written - cap + 1), written + 1):
             at = HEAD + (seq % cap) * ENTRY
             fields = _ENT.unpack_from(mm, at)
             if fields[0] != seq or _U64.unpack_from(mm, at + layout.TRACE_E_SEQ)[0] != seq:
@@ -425,8 +465,18 @@ class _RankState:
         self.entries = ring.entries() if ring is not None else []
         self.left = ring is not None and ring.state == LEFT
         self.alive = (ring.alive() or self.left) if ring is not None else None   # left, then exited: not "gone"
-        blocked = [e for e in self.entries if e.state == WAITING or (e.state == POSTED and e.is_coll)]
-        self.current = blocked[-1] if blocked else None
+        newest = {}     # thread -> the newest operation it is blocked in (a thread blocks in one at a time)
+        for e in self.entries:
+            if e.state == WAITING or (e.state == POSTED and e.is_coll):
+                newest[e.thread] = e
+            elif (e.thread in newest and newest[e.thread].is_coll
+                  and e.posted > (newest[e.thread].wait_began or newest[e.thread].posted)):
+                # posted after that collective began to wait: the thread left it (an exception that was
+                # no DistError, e.g. KeyboardInterrupt, left it open). Not for a send or receive: another
+                # thread may wait for it while its poster goes on (Engine.wait_for says when a wait is left)
+                del newest[e.thread]
+        self.blocked = sorted(newest.values(), key=lambda e: e.seq)   # every thread's, oldest first
+        self.current = self.blocked[-1] if self.blocked else None
         self.last = self.entries[-1] if self.entries else None
 
     def pending_p2p(self, send: bool, peer: int) -> list[Entry]:
@@ -465,8 +515,8 @@ def _members(groups: dict, gid: int) -> list[int]:
     return list(groups.get(str(gid), []))
 
 
-def _missing(s: _RankState, st: dict, groups: dict) -> list[int]:
-    e = s.current
+def _missing(s: _RankState, st: dict, groups: dict, e: Entry | None = None) -> list[int]:
+    e = s.current if e is None else e
     return [m for m in _members(groups, e.gid) if m != s.rank and m in st
             and not (st[m].reached(e.gid, e.coll) and st[m].alive is not False)]
 
@@ -479,13 +529,17 @@ def _where(s: _RankState, st: dict, groups: dict, now: int) -> str:
         return f"gone (process {s.ring.pid} no longer exists); {last}"
     if s.left:
         return f"left the job (destroy_process_group); {last}"
-    e = s.current
-    if e is None:
+    if s.current is None:
         ago = f" {_ago(s.last.ended or s.last.posted, now)} ago" if s.last else ""
         return f"not inside any shmdist call; {last}{ago}"
+    # the newest first; then each other thread that is blocked too (it may be the one that hangs)
+    return "; another thread: ".join(_blocked_in(s, e, st, groups, now) for e in reversed(s.blocked))
+
+
+def _blocked_in(s: _RankState, e: Entry, st: dict, groups: dict, now: int) -> str:
     since = e.wait_began or e.posted
     if e.is_coll:
-        missing = _missing(s, st, groups)
+        missing = _missing(s, st, groups, e)
         who = f", waiting for {_ranks(missing)}" if missing else ""
         return f"in {describe(e, groups)}{who} ({_ago(since, now)})"
     peer = "any rank" if e.peer == ANY else f"rank {e.peer}"
@@ -508,6 +562,75 @@ def _doing(s: _RankState, groups: dict, now: int) -> str:
     return f"rank {s.rank} is in {describe(s.current, groups)}"
 
 
+def _differ(r: int, e: Entry, p: int, x: Entry, groups: dict, theirs: str) -> str:
+    """The verdict for a send and a receive between the same ranks that do not match."""
+    what = "tags differ" if x.tag != e.tag else "groups differ"
+    return (f"{what}: rank {r} waits in {describe(e, groups)}, but rank {p}'s {describe(x, groups)} "
+            f"{theirs}; use the same tag and group on both sides")
+
+
+def _unreceived(ps: _RankState, s: _RankState) -> list[Entry]:
+    """The sends of ``ps`` to ``s``'s rank that completed (into the ring) and
+    that no receive of ``s`` took yet, as far as both rings still show:
+    per tag and group, the sends done beyond the receives done."""
+    r, p = s.rank, ps.rank
+    took: dict = {}
+    for x in s.entries:
+        if x.op == RECV and x.state == DONE and x.peer in (p, ANY):
+            took[(x.tag, x.gid)] = took.get((x.tag, x.gid), 0) + 1
+    out = []
+    for x in reversed([x for x in ps.entries if x.op == SEND and x.peer == r and x.state == DONE]):
+        key = (x.tag, x.gid)
+        if took.get(key, 0) > 0:
+            took[key] -= 1      # the newest receives took the newest sends
+        else:
+            out.append(x)
+    return out[::-1]
+
+
+def _recv_verdicts(r: int, e: Entry, st: dict, groups: dict, now: int) -> list[str]:
+    """A receive that blocks: does any peer send it, with the same tag and group?"""
+    members = _members(groups, e.gid) or list(st)     # from any rank: any member of its group
+    peers = [p for p in members if p != r] if e.peer == ANY else [e.peer]
+    out, idle = [], []
+    for p in peers:
+        if p not in st or st[p].alive is False:
+            continue      # a gone rank is said on its own
+        ps = st[p]
+        other = ps.pending_p2p(True, r) or _unreceived(ps, st[r])
+        if any(x.tag == e.tag and x.gid == e.gid for x in other):
+            return []     # moving
+        if other:
+            out.append(_differ(r, e, p, other[-1], groups, "does not match it"))
+        else:
+            idle.append(p)
+    if out or not idle:
+        return out
+    if e.peer != ANY:
+        p = idle[0]
+        return [f"a receive nobody sends to: rank {r} waits in {describe(e, groups)}, but rank "
+                f"{p} has no send to rank {r} pending: {_doing(st[p], groups, now)}"]
+    doing = "; ".join(_doing(st[p], groups, now) for p in idle[:4]) + ("; ..." if len(idle) > 4 else "")
+    return [f"a receive nobody sends to: rank {r} waits in {describe(e, groups)}, but no rank has a send "
+            f"to rank {r} pending: {doing}"]
+
+
+def _send_verdicts(r: int, e: Entry, st: dict, groups: dict, now: int) -> list[str]:
+    """A send that blocks (too big for the ring): does its peer receive it?"""
+    p = e.peer
+    if p not in st or st[p].alive is False:
+        return []
+    ps = st[p]
+    theirs = ps.pending_p2p(False, r)
+    if any(x.tag == e.tag and x.gid == e.gid for x in theirs):
+        return []
+    if theirs:
+        x = theirs[-1]
+        return [_differ(r, e, p, x, groups, "receives with it instead")]
+    return [f"a send nobody receives: rank {r} waits in {describe(e, groups)} (too big "
+            f"to leave in the ring), but rank {p} does not receive it: {_doing(ps, groups, now)}"]
+
+
 def _verdicts(st: dict, groups: dict, now: int) -> list[str]:
     out: list[str] = []
     gone = [r for r, s in st.items() if s.ring is not None and s.alive is False]
@@ -517,51 +640,18 @@ def _verdicts(st: dict, groups: dict, now: int) -> list[str]:
                    "killer, a signal) and restart the job")
     colls: dict = {}          # (gid, coll, kind) -> waiting ranks
     for r, s in st.items():
-        e = s.current
-        if e is None or s.alive is False or s.left:
+        if s.alive is False or s.left:
             continue
-        if e.is_coll:
-            colls.setdefault((e.gid, e.coll, e.kind), []).append(r)
-            continue
-        peers = [p for p in st if p != r] if e.peer == ANY else [e.peer]
-        for p in peers:
-            if p not in st:
-                continue
-            ps = st[p]
-            if ps.alive is False:
-                continue      # said above
-            if e.op == RECV:
-                theirs = ps.pending_p2p(True, r)
-                match = [x for x in theirs if x.tag == e.tag and x.gid == e.gid]
-                if match:
-                    continue      # moving
-                sent = [x for x in ps.entries if x.op == SEND and x.peer == r and x.state == DONE]
-                if theirs or sent:
-                    x = (theirs or sent)[-1]
-                    if x.tag != e.tag or x.gid != e.gid:
-                        out.append(f"tags differ: rank {r} waits in {describe(e, groups)}, but rank {p}'s "
-                                   f"{describe(x, groups)} does not match it; use the same tag and group on "
-                                   "both sides")
-                        continue
-                if e.peer == ANY:
-                    continue
-                out.append(f"a receive nobody sends to: rank {r} waits in {describe(e, groups)}, but rank "
-                           f"{p} has no send to rank {r} pending: {_doing(ps, groups, now)}")
+        for e in s.blocked:   # every thread's
+            if e.is_coll:
+                colls.setdefault((e.gid, e.coll, e.kind), []).append(r)
+            elif e.op == RECV:
+                out += _recv_verdicts(r, e, st, groups, now)
             else:
-                theirs = ps.pending_p2p(False, r)
-                match = [x for x in theirs if x.tag == e.tag and x.gid == e.gid]
-                if match:
-                    continue
-                if theirs:
-                    x = theirs[-1]
-                    out.append(f"tags differ: rank {r} waits in {describe(e, groups)}, but rank {p} "
-                               f"receives with {describe(x, groups)}; use the same tag and group on both sides")
-                    continue
-                out.append(f"a send nobody receives: rank {r} waits in {describe(e, groups)} (too big "
-                           f"to leave in the ring), but rank {p} does not receive it: {_doing(ps, groups, now)}")
+                out += _send_verdicts(r, e, st, groups, now)
     for (gid, coll, kind), waiters in colls.items():
-        e = st[waiters[0]].current
-        missing = _missing(st[waiters[0]], st, groups)
+        e = next(x for x in st[waiters[0]].blocked if (x.gid, x.coll, x.kind) == (gid, coll, kind))
+        missing = _missing(st[waiters[0]], st, groups, e)
         call = describe(e, groups)
         for m in missing:
             ms = st[m]
@@ -602,7 +692,8 @@ def local_report() -> str:
 def history(ring: Ring, errors_seen=(), diagnosis: str = "") -> dict:
     """A ring's entries as the documented JSON object."""
     meta = ring.meta()
-    groups = meta.get("groups", {})
+    groups = dict(meta.get("groups", {}))
+    groups.setdefault("0", list(range(max(ring.world_size, meta.get("world_size") or 0))))   # (left out of a full page)
     out = []
     for e in ring.entries():
         d = {"seq": e.seq, "op": e.kind, "state": STATES.get(e.state, str(e.state)),
@@ -677,18 +768,34 @@ def write_history(error_text: str = "", diagnosis: str = "") -> list[str]:
     if not where or ring is None:
         return []
     if error_text:
-        _errors_seen.append(error_text)
-        del _errors_seen[:-20]
-    hist = history(ring, _errors_seen, diagnosis)
-    os.makedirs(where, exist_ok=True)
-    path = os.path.join(where, f"shmdist-trace-rank{ring.rank}.json")
-    fr = os.path.join(where, f"{FR_PREFIX}{ring.rank}")
-    for p, data in ((path, json.dumps(hist, indent=1).encode()), (fr, pickle.dumps(torch_fr(hist)))):
-        tmp = f"{p}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, p)
-    return [path, fr]
+        with _write_lock:
+            _errors_seen.append(error_text)
+            del _errors_seen[:-20]
+    with _write_lock:       # threads that fail at once: one writer at a time, the last has every error
+        hist = history(ring, _errors_seen, diagnosis)
+        os.makedirs(where, exist_ok=True)
+        path = os.path.join(where, f"shmdist-trace-rank{ring.rank}.json")
+        fr = os.path.join(where, f"{FR_PREFIX}{ring.rank}")
+        for p, data in ((path, json.dumps(hist, indent=1).encode()), (fr, pickle.dumps(torch_fr(hist)))):
+            tmp = f"{p}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, p)
+        written = [path, fr]
+        # torch's analyzer wants every rank's dump, and a hang often fails one rank only: write
+        # those of the local ranks this one maps too (their state as read now; a rank that meets
+        # an error of its own rewrites its own)
+        for r, peer in sorted(_peers.items()):
+            p = os.path.join(where, f"{FR_PREFIX}{r}")
+            tmp = f"{p}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(pickle.dumps(torch_fr(history(peer))))
+            os.replace(tmp, p)
+            written.append(p)
+    return written
+
+
+_write_lock = threading.Lock()
 
 
 def on_error(e: BaseException) -> None:
@@ -737,6 +844,7 @@ class JobWatch:
         self.changes = -1
         self.changed_at = time.monotonic()
         self.reported = False
+        self.idle = -1         # the change count at which no rank was found waiting
 
     def hold(self, procs: dict) -> None:
         """Open the ring of every rank (global rank -> Popen) not held yet."""
@@ -766,9 +874,12 @@ class JobWatch:
             return ""
         if self.reported or now - self.changed_at < self.hang_after:
             return ""
-        waiting = any(e.state == WAITING or (e.is_coll and e.open)
-                      for r in self.rings.values() for e in r.entries()[-8:])
+        if self.idle == changes:
+            return ""         # read at this count already: nobody waits (ranks compute); nothing changed
+        # any thread's, not only in the newest entries: a thread may wait behind what others did since
+        waiting = any(_RankState(rank, ring).blocked for rank, ring in self.rings.items())
         if not waiting:
+            self.idle = changes
             return ""
         self.reported = True
         return f"no rank progressed for {now - self.changed_at:.0f} s:\n{self.report()}"

@@ -525,6 +525,10 @@ class Engine:
         self.waiting.add(me)
         try:
             self._wait_for(req, timeout)
+        except BaseException:
+            if not req._done:
+                trace.not_waiting(req)   # trace: e.g. KeyboardInterrupt: still pending, not waited for
+            raise
         finally:
             self.waiting.discard(me)
 
