@@ -326,3 +326,39 @@ def read_while_sender_parked(rank, world_size, init_method):
 
 def test_single_copy_is_read_while_the_sender_is_in_a_barrier(run_ranks):
     assert run_ranks(read_while_sender_parked, 2, env=ENV, timeout=60)[1] is True
+
+
+def queued_at_destroy(rank, world_size, init_method):
+    """Sends queued behind a half-moved one at destroy, a single copy's
+    record among them (its record not even in the ring yet): each fails
+    naming the destroy; the one that went whole into the ring completed."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=30)
+    res = []
+    if rank == 0:
+        part = 48 << 10         # two of them do not fit the 64 KiB ring
+        reqs = [dist.send(np.zeros(part, np.uint8), 1, tag=1),            # whole into the ring
+                dist.send(np.zeros(part, np.uint8), 1, tag=2),            # half moved
+                dist.send(np.zeros(2 * THRESHOLD, np.uint8), 1, tag=3),   # single copy, queued behind
+                dist.send(np.zeros(4), 1, tag=4)]                         # queued behind
+        from shmdist.api import group
+        queued = [op.meta is not None for op in group._world.engine.queues.sendq[1]]
+        dist.barrier()
+        dist.destroy_process_group()
+        for q in reqs:
+            try:
+                q.wait(timeout=5)
+                res.append("completed")
+            except dist.DistTimeoutError:
+                res.append("timeout")
+            except dist.DistError as e:
+                res.append("destroy" in str(e) and "rank 0" in str(e))
+        return res, queued
+    dist.barrier()
+    dist.destroy_process_group()
+    return res
+
+
+def test_sends_queued_behind_at_destroy_fail(run_ranks):
+    res, queued = run_ranks(queued_at_destroy, 2, timeout=60, env=ENV)[0]
+    assert queued == [False, True, False]
+    assert res == ["completed", True, True, True]
