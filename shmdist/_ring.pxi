@@ -155,7 +155,7 @@ cdef class Ring:
             p = self._push(hdr, src, nbytes, p, total)
         return p
 
-    def take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, bytes dtype16):
+    def take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, bytes dtype16, bint single=True):
         """Receive the next record in one call when it is complete and its
         header says (tag, group, byte count, dtype): copy the payload to
         ``addr`` and return DONE. Return NOT_YET when no complete record is
@@ -163,9 +163,10 @@ cdef class Ring:
         then reads the header itself). Header layout: layout.HEADER.
         A single-copy record of that message is read from the sender's
         memory and acknowledged here too; if the read fails, the record is
-        left for the caller (OTHER_RECORD), which reads it again and reports."""
+        left for the caller (OTHER_RECORD), which reads it again and reports.
+        Without ``single``, a single-copy record is left for later (OTHER_RECORD)."""
         cdef int got = self._take(tag, gid, addr, nbytes, PyBytes_AS_STRING(dtype16))
-        if got == SD_OTHER_RECORD:
+        if got == SD_OTHER_RECORD and single:
             got = self._take_single(tag, gid, addr, nbytes, PyBytes_AS_STRING(dtype16))
         return got
 

@@ -1,6 +1,7 @@
 """Single copy between local ranks (transport/engine.py): a message at least
 SHMDIST_SINGLE_COPY bytes big that the ring cannot take whole at once (and,
-above engine.ONE_WAY_SINGLE_MAX, only while a receive from its destination
+one way, only when it is bigger than the ring and at most
+engine.ONE_WAY_SINGLE_MAX; else only while a receive from its destination
 is pending too) goes
 through the ring as a small record naming the sender's memory, and the
 receiver reads it from there with process_vm_readv. A 64 KiB ring here, so
@@ -278,6 +279,45 @@ def test_which_messages_go_single_copy(run_ranks, nbytes, pending, way):
     assert run_ranks(ring_or_single, 2, nbytes, pending, env=env, timeout=90) == [way, True]
 
 
+def behind_another(rank, world_size, init_method, pending):
+    """What rank 0's second send of 768 KiB becomes while its first still
+    fills the 1 MiB ring: 'ring' (streams behind it) or 'single'.
+    ``pending``: rank 0 has a receive from rank 1 pending meanwhile."""
+    from shmdist.api import group
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    dist.barrier()      # rank 1 has probed that it may read rank 0 (init's last step)
+    n = 768 << 10
+    if rank == 0:
+        answer = dist.irecv(np.zeros(1), 1) if pending else None
+        reqs = [dist.isend(pattern(n, 5), 1), dist.isend(pattern(n, 6), 1)]
+        engine = group._world.engine
+        got = "single" if engine.queues.awaiting else "ring" if 1 in engine.queues.sendq else "?"
+        dist.barrier()      # rank 1 receives only now
+        for r in reqs + ([answer] if answer is not None else []):
+            r.wait()
+        dist.destroy_process_group()
+        return got
+    ok = []
+    dist.barrier()
+    for seed in (5, 6):
+        into = np.zeros(n, np.uint8)
+        dist.recv(into, 0).wait(timeout=30)
+        ok.append(np.array_equal(into, pattern(n, seed)))
+    if pending:
+        dist.send(np.zeros(1), 0).wait()
+    dist.destroy_process_group()
+    return ok
+
+
+@pytest.mark.parametrize("pending, way", [(False, "ring"), (True, "single")])
+def test_one_way_message_that_fits_the_ring_streams_behind_another(run_ranks, pending, way):
+    """One way, a message the empty ring could take whole streams through it
+    even while the ring is busy (a blocking-send loop would otherwise wait a
+    round trip per message); both ways at once it goes in a single copy."""
+    env = {"SHMDIST_SINGLE_COPY": str(THRESHOLD), "SHMDIST_RING_BYTES": str(1 << 20)}
+    assert run_ranks(behind_another, 2, pending, env=env, timeout=90) == [way, [True, True]]
+
+
 def receiver_killed(rank, world_size, init_method):
     """Rank 0's single-copy send waits for rank 1 to read it; rank 1 is
     killed first: the send fails naming rank 1, it does not hang."""
@@ -326,3 +366,40 @@ def read_while_sender_parked(rank, world_size, init_method):
 
 def test_single_copy_is_read_while_the_sender_is_in_a_barrier(run_ranks):
     assert run_ranks(read_while_sender_parked, 2, env=ENV, timeout=60)[1] is True
+
+
+def queued_at_destroy(rank, world_size, init_method):
+    """Sends queued behind a half-moved one at destroy, a single copy's
+    record among them (its record not even in the ring yet): each fails
+    naming the destroy; the one that went whole into the ring completed."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=30)
+    dist.barrier()      # rank 1 has probed that it may read rank 0 (init's last step)
+    res = []
+    if rank == 0:
+        part = 48 << 10         # two of them do not fit the 64 KiB ring
+        reqs = [dist.send(np.zeros(part, np.uint8), 1, tag=1),            # whole into the ring
+                dist.send(np.zeros(part, np.uint8), 1, tag=2),            # half moved
+                dist.send(np.zeros(2 * THRESHOLD, np.uint8), 1, tag=3),   # single copy, queued behind
+                dist.send(np.zeros(4), 1, tag=4)]                         # queued behind
+        from shmdist.api import group
+        queued = [op.meta is not None for op in group._world.engine.queues.sendq[1]]
+        dist.barrier()
+        dist.destroy_process_group()
+        for q in reqs:
+            try:
+                q.wait(timeout=5)
+                res.append("completed")
+            except dist.DistTimeoutError:
+                res.append("timeout")
+            except dist.DistError as e:
+                res.append("destroy" in str(e) and "rank 0" in str(e))
+        return res, queued
+    dist.barrier()
+    dist.destroy_process_group()
+    return res
+
+
+def test_sends_queued_behind_at_destroy_fail(run_ranks):
+    res, queued = run_ranks(queued_at_destroy, 2, timeout=60, env=ENV)[0]
+    assert queued == [False, True, False]
+    assert res == ["completed", True, True, True]

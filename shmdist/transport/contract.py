@@ -23,11 +23,12 @@ class Channel(Protocol):
     def push(self, header: bytes, addr: int, nbytes: int, pos: int) -> int:
         """Write what fits of the record from position ``pos``; the new position."""
 
-    def take(self, tag: int, gid: int, addr: int, nbytes: int, dtype16: bytes) -> int:
+    def take(self, tag: int, gid: int, addr: int, nbytes: int, dtype16: bytes, single: bool = True) -> int:
         """Receive the next record in one call when it is all there and its
         header names (tag, group, bytes, dtype): layout.DONE. NOT_YET when it
         is not all there (a transport without a one-call receive always
-        says so), OTHER_RECORD when it is another one."""
+        says so), OTHER_RECORD when it is another one. Without ``single``, a
+        single-copy record (shm) is left for the engine (OTHER_RECORD)."""
 
     def peek(self) -> bytes | None:
         """The next record's header, or None when it has not arrived."""

@@ -16,13 +16,17 @@ every wait moves all pending operations forward, so two ranks that both
 send before they receive do not deadlock.
 
 Single copy: a message of at least SHMDIST_SINGLE_COPY bytes to a local
-peer that the ring cannot take whole now (it would wait for room anyway)
+peer that the ring cannot take whole now (it would wait for room anyway),
+while a receive from that peer is pending here (both ways at once) or, one
+way, when it is bigger than the ring (up to ONE_WAY_SINGLE_MAX),
 goes as a small record instead, flagged HDR_SINGLE_COPY, whose payload is
 SINGLE_COPY (this process's pid, the message's address). The receiver reads
 the message from here with process_vm_readv, straight into its buffer (or,
 unasked for, into a private one, so the sender is never held up), then
 counts the record in the ring's RING_ACKED and rings the sender; the send
-completes when that count passes it. Half the copying of the ring's two
+completes when that count passes it. It reads in waits and tests, never
+while a receive is posted (progress: posting stays cheap, so a rank posts
+its own sends before it reads the peer's). Half the copying of the ring's two
 copies (sender in, receiver out), and the one copy left is the receiver's,
 so two ranks sending to each other each copy only what they receive. Used
 only where the peer's probe at init could read this rank's memory
@@ -54,6 +58,10 @@ LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are 
 # 2-core VM, where process_vm_readv alone moves 10.4 GB/s at 16 MiB (bench/cma_probe.py) and
 # Open MPI's single copy 7.1 at 64 MiB. Both ways, each core has its own copy to make anyway.
 ONE_WAY_SINGLE_MAX = 4 << 20
+# And one way, a message the empty ring could take whole streams through it, pipelined on two
+# cores, even while the ring is busy: as a single copy, a loop of blocking sends waited for each
+# read (a round trip per message) and its ratio to MPI at 1 MiB went from 1.8-2.0 to 2.9-3.5
+# (interleaved benchmark, 2 runs of 3 rounds, load 3-12 from other jobs).
 COLLECTIVE_GID = 1 << 40  # group ids at and above it carry collectives' own messages
 
 
@@ -170,7 +178,8 @@ class Engine:
             q = sendq.get(dst)
             if buf.nbytes >= self.single_min > 0 and dst in self.single_by and \
                     (q or chan.room() < _core.record_bytes(buf.nbytes)) and \
-                    (buf.nbytes <= ONE_WAY_SINGLE_MAX or self._receiving_from(dst)) and \
+                    (self._receiving_from(dst) or
+                     self.single_by[dst].ring_bytes < _core.record_bytes(buf.nbytes) <= ONE_WAY_SINGLE_MAX) and \
                     buf.nbytes >= self._single_limit(dst) and not self._written(buf):
                 meta = np.array([self.pid, buf.addr], dtype=np.uint64)      # layout.SINGLE_COPY
                 header = make_header(tag, gid, self.rank, buf, HDR_SINGLE_COPY)
@@ -266,7 +275,9 @@ class Engine:
                             inc.claimed = r
                     return
             self.queues.posted.append(r)
-            self.progress(drain=False)   # the caller may be about to post the receives for what follows
+            # the caller may be about to post the receives (and sends) for what follows: no single
+            # copy is read here, however many have arrived, so posting stays cheap
+            self.progress(drain=False, single=False)
 
     def post_recv(self, req, arr, src: int, tag: int) -> None:
         """Post one of the fast lane's pending receives (lock held): as recv()
@@ -317,7 +328,7 @@ class Engine:
             if not self.closed:
                 self.progress()
 
-    def progress(self, drain: bool = True) -> None:
+    def progress(self, drain: bool = True, single: bool = True, until=None) -> None:
         """Move every pending send and receive as far as it goes now.
 
         A message that no posted receive matches is drained into a buffer of
@@ -334,7 +345,20 @@ class Engine:
         receive's buffer rather than into a private one and be copied again
         (that extra copy, and the page faults of a fresh buffer per message,
         were the blocking-send "slow mode": ~1.5 GB/s at 1 MiB). A sender
-        held up by such a record is served by the next progress pass."""
+        held up by such a record is served by the next progress pass.
+
+        Without ``single`` (posting a receive), no single copy is read: its
+        record waits in rx for the next pass. Reading them there made posting
+        a window of irecvs read every message the peer had sent meanwhile
+        while this rank's own isends were not posted yet, so the peer sat
+        idle: both ways at once ran one way at a time (a window of 32 1 MiB
+        messages: one rank waited 2.1 ms while the other read 22 of them
+        inside its irecvs).
+        ``until``: the request a wait is for; once it is done nothing more is
+        drained in this pass. Without that, the pass that saw the last ack of
+        a window read the peer's next window unasked, one message at a time
+        into fresh private buffers (page faults: 2.6 GB/s), while the peer,
+        its sends waiting for those very reads, idled (14 ms for 32 MiB)."""
         held = None
         queues = self.queues
         rx, posted, sendq = queues.rx, queues.posted, queues.sendq
@@ -368,7 +392,8 @@ class Engine:
                 if inc is None:
                     if posted:      # the usual case, in one call: a whole record for the next receive
                         r = self._next_posted(src)
-                        if r is not None and chan.take(r.tag, r.gid, r.buf.addr, r.buf.nbytes, r.dtype16) == DONE:
+                        if r is not None and chan.take(r.tag, r.gid, r.buf.addr, r.buf.nbytes, r.dtype16,
+                                                       single) == DONE:
                             posted.remove(r)
                             self._complete_recv(r, src)
                             drain = False
@@ -376,6 +401,8 @@ class Engine:
                     header = chan.peek()
                     if header is None:
                         break
+                    if until is not None and until._done:
+                        drain = False
                     inc = self._arrive(src, header, drain)
                     if inc is None:
                         break
@@ -386,7 +413,7 @@ class Engine:
                         break
                 else:
                     inc.pos = chan.pull(inc.meta.ctypes.data, SINGLE_COPY.size, inc.pos)
-                    if inc.pos < inc.total:
+                    if inc.pos < inc.total or not single:
                         break
                     if not self._read_single(chan, inc):
                         rx[src] = None
@@ -547,7 +574,7 @@ class Engine:
                 raise self._destroyed(req)
             seen = _core.bell_value(self.ctl)
             with self.lock:
-                self.progress()
+                self.progress(until=req)
             if req._done:
                 return
             now = time.monotonic()

@@ -164,7 +164,7 @@ class Link:
             return pos
         return record_bytes(nbytes)
 
-    def take(self, tag: int, gid: int, addr: int, nbytes: int, dtype16: bytes) -> int:
+    def take(self, tag: int, gid: int, addr: int, nbytes: int, dtype16: bytes, single: bool = True) -> int:
         """No one-call receive over a socket: the engine reads the header first."""
         return 0
 
