@@ -26,6 +26,7 @@ cdef extern from "_trace.h":           # the flight recorder's C writer (layout:
     uint64_t sd_tr_post(uint32_t op, uint32_t state, int64_t gid, int64_t peer, int64_t tag,
                         uint64_t nbytes, uint64_t coll, const char *dtype16)
     void sd_tr_set(uint64_t seq, uint32_t state, int at_once)
+    void sd_tr_undone(uint64_t seq, uint32_t state)
     void sd_tr_attach(uint8_t *base, uint64_t capacity)
 
 cdef extern from "_half.h" nogil:

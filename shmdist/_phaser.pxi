@@ -52,6 +52,21 @@ cdef class Phaser:
         target = self.phase
         sd_store64(<uint64_t *>mine, target)
         sd_fence()
+        # trace: this call, from its descriptor, written while the others may still be on their
+        # way, as done (the common case: caught while spinning); the slow paths below correct it
+        # (waiting, or its members' calls differ) before this rank sleeps or raises, so a hang's
+        # diagnosis, made seconds later, reads the truth. Written after the spin instead, it sat
+        # on the call's critical path: a 2-rank all_reduce of 8 B 4-6 % (~40 ns) slower; written
+        # as posted and moved to done after, as much again.
+        if desc != NULL and self.trace_gid >= 0 and nd >= SD_DESC_BYTES:
+            self.tseq = sd_tr_post(SD_TR_COLL + (<const uint64_t *>(desc + SD_DESC_KIND))[0],
+                                   SD_TR_DONE, self.trace_gid,
+                                   (<const int64_t *>(desc + SD_DESC_ROOT))[0],
+                                   (<const int64_t *>(desc + SD_DESC_OP))[0],
+                                   (<const uint64_t *>(desc + SD_DESC_NBYTES))[0], self.calls,
+                                   desc + SD_DESC_DTYPE)
+        else:
+            self.tseq = 0
         for i in range(self.nothers):    # a waiter spins on the flags; wake the sleepers (_bells.pxi)
             if (sd_load32(_u32(<size_t>self.others[i] + SD_CTL_PHASE_SLEEPING))
                     or sd_load32(_u32(<size_t>self.others[i] + SD_CTL_SLEEPING))):
@@ -76,18 +91,8 @@ cdef class Phaser:
                 if memcmp(f + at, f + i * self.stride + at, nd):
                     done = SD_DIFFER
                     break
-        # trace: this call, from its descriptor, in the state it is in now (passed, waiting
-        # for the others, or its members' calls differ). One entry written once, after the
-        # spin: recorded before it, then moved to done, it cost a 2-rank all_reduce of 8 B
-        # 4-6 % (~30 ns); the spin lasts microseconds, the diagnosis looks after seconds.
-        if desc != NULL and self.trace_gid >= 0 and nd >= SD_DESC_BYTES:
-            self.tseq = sd_tr_post(SD_TR_COLL + (<const uint64_t *>(desc + SD_DESC_KIND))[0],
-                                   SD_TR_POSTED if done == SD_DIFFER else SD_TR_DONE if done else SD_TR_WAITING,
-                                   self.trace_gid,
-                                   (<const int64_t *>(desc + SD_DESC_ROOT))[0],
-                                   (<const int64_t *>(desc + SD_DESC_OP))[0],
-                                   (<const uint64_t *>(desc + SD_DESC_NBYTES))[0], self.calls,
-                                   desc + SD_DESC_DTYPE)
+        if done != SD_DONE_SPINNING and done != SD_DONE and self.tseq:
+            sd_tr_undone(self.tseq, SD_TR_POSTED if done == SD_DIFFER else SD_TR_WAITING)
         return done
 
     def enter(self, bytes desc=None):

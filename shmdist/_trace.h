@@ -159,4 +159,18 @@ SD_TR_INLINE void sd_tr_set(uint64_t seq, uint32_t state, int at_once) {
     __atomic_store_n((uint32_t *)(e + SD_TR_E_STATE), state, __ATOMIC_RELEASE);
     sd_tr_changed(b);
 }
+/* An entry posted as done that is not (a collective is written before its
+ * wait ends: _phaser.pxi): back to ``state`` (POSTED, or WAITING from now). */
+SD_TR_INLINE void sd_tr_undone(uint64_t seq, uint32_t state) {
+    uint8_t *b = sd_tr_base, *e;
+    if (b == NULL || seq == 0)
+        return;
+    e = sd_tr_slot(seq);
+    if (SD_TR_U64(e, SD_TR_E_SEQ) != seq)
+        return;
+    SD_TR_U64(e, SD_TR_E_ENDED) = 0;
+    SD_TR_U64(e, SD_TR_E_WAIT) = state == SD_TR_WAITING ? sd_tr_now() : 0;
+    __atomic_store_n((uint32_t *)(e + SD_TR_E_STATE), state, __ATOMIC_RELEASE);
+    sd_tr_changed(b);
+}
 #endif

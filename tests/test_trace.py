@@ -364,6 +364,33 @@ def test_history_json_on_a_dist_error(run_ranks, tmp_path):
         ("gloo:all_reduce", "completed"), ("gloo:send 0->1", "completed"), ("gloo:recv 0<-1", "completed")]
 
 
+def _calls_differ(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    x = np.ones(4, dtype=np.float32)
+    for _ in range(3):
+        dist.all_reduce(x)       # caught while spinning, most of them: recorded as done at once
+    text = _timeout_text(lambda: dist.all_reduce(np.ones(4 + rank, dtype=np.float32)))
+    dist.destroy_process_group()
+    return text
+
+
+def test_a_collective_recorded_before_its_wait_ends_is_never_left_done(run_ranks, tmp_path):
+    """The C writer records a collective as done while the others are still on
+    their way (so that the entry costs nothing on the call's critical path) and
+    takes that back when the call does not pass: here its members' calls differ
+    and the entry ends failed. (The hang tests above check a rank left waiting:
+    without the take-back, "waiting for rank 2" there read as done.)"""
+    texts = run_ranks(_calls_differ, 2, timeout=60, env={"SHMDIST_TRACE_DIR": str(tmp_path)})
+    assert all("DistMismatchError" in t for t in texts), texts
+    for rank in range(2):
+        hist = json.loads((tmp_path / f"shmdist-trace-rank{rank}.json").read_text())
+        ars = [e for e in hist["entries"] if e["op"] == "all_reduce"]
+        assert [e["state"] for e in ars[:3]] == ["done"] * 3, ars
+        assert all(e["ended"] is not None and e["ended"] >= e["posted"] for e in ars[:3]), ars
+        last = ars[-1]
+        assert last["bytes"] == 16 + 4 * rank and last["state"] == "failed", last
+
+
 def _trace_fds() -> list[str]:
     """What this process's descriptors to flight recorders point at."""
     out = []
