@@ -165,29 +165,47 @@ def copy(size_t dst, size_t src, size_t n):
 
 # ---------------------------------------------------------------- single copy
 
+cdef int _cma(int pid, size_t local_at, size_t remote_at, size_t n, bint write) noexcept nogil:
+    """One copy between this process (``local_at``) and process ``pid``
+    (``remote_at``), either way; 0, or the errno that stopped it."""
+    cdef iovec local, remote
+    cdef ssize_t got
+    cdef size_t done = 0
+    while done < n:
+        local.iov_base = <void *>(local_at + done)
+        local.iov_len = n - done
+        remote.iov_base = <void *>(remote_at + done)
+        remote.iov_len = n - done
+        if write:
+            got = process_vm_writev(pid, &local, 1, &remote, 1, 0)
+        else:
+            got = process_vm_readv(pid, &local, 1, &remote, 1, 0)
+        if got < 0:
+            if errno == EINTR:
+                continue
+            return errno
+        if got == 0:
+            return EFAULT
+        done += <size_t>got
+    return 0
+
+
 def cma_read(int pid, size_t dst, size_t src, size_t n):
     """Copy ``n`` bytes at address ``src`` of process ``pid`` to ``dst`` in
     this one, in one copy (process_vm_readv), without the GIL. Returns 0, or
     the errno that stopped it (ESRCH: the process is gone; EPERM: ptrace
     rules or seccomp refuse; EFAULT: the address is not mapped there)."""
-    cdef iovec local, remote
-    cdef ssize_t got
-    cdef size_t done = 0
-    cdef int err = 0
+    cdef int err
     with nogil:
-        while done < n:
-            local.iov_base = <void *>(dst + done)
-            local.iov_len = n - done
-            remote.iov_base = <void *>(src + done)
-            remote.iov_len = n - done
-            got = process_vm_readv(pid, &local, 1, &remote, 1, 0)
-            if got < 0:
-                if errno == EINTR:
-                    continue
-                err = errno
-                break
-            if got == 0:
-                err = EFAULT
-                break
-            done += <size_t>got
+        err = _cma(pid, dst, src, n, False)
+    return err
+
+
+def cma_write(int pid, size_t dst, size_t src, size_t n):
+    """Copy ``n`` bytes at ``src`` in this process to address ``dst`` of
+    process ``pid`` (process_vm_writev), as cma_read the other way (EFAULT
+    also when the memory there is read-only)."""
+    cdef int err
+    with nogil:
+        err = _cma(pid, src, dst, n, True)
     return err

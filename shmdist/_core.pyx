@@ -22,6 +22,8 @@ cdef extern from "sys/uio.h" nogil:
         size_t iov_len
     ssize_t process_vm_readv(int pid, const iovec *local, unsigned long liovcnt,
                              const iovec *remote, unsigned long riovcnt, unsigned long flags)
+    ssize_t process_vm_writev(int pid, const iovec *local, unsigned long liovcnt,
+                              const iovec *remote, unsigned long riovcnt, unsigned long flags)
 
 from libc.errno cimport errno, EINTR, EFAULT
 

@@ -171,3 +171,13 @@ def reduce_half(out, inputs, int op, str dtype, int count):
         return True
     finally:
         PyBuffer_Release(&ov)
+
+
+def reduce_two(int kind, int op, size_t out, size_t first, size_t second, size_t count):
+    """out = first op second, element by element (the two members' values in
+    rank order), without the GIL; ``out`` may be either input (each element
+    is read from both before it is written)."""
+    cdef size_t ins[2]
+    ins[0], ins[1] = first, second
+    with nogil:
+        _reduce_parts_kind(kind, op, out, ins, 2, count)

@@ -78,6 +78,10 @@ RING_MIN_BYTES = 4096         # a ring's data is a power of two at least this bi
 
 PARAMS = struct.Struct("<QQ")
 PARAMS_AT = 64
+# An arena's, after them: bytes from which its two members, if it has two, copy
+# straight between their arrays (the creator's SHMDIST_SINGLE_COPY; 0 never).
+PAIR_SINGLE = struct.Struct("<Q")
+PAIR_SINGLE_AT = PARAMS_AT + PARAMS.size
 
 # ---------------------------------------------------------------- collective arena
 # Per member of a group, a control slot of SLOT_STRIDE bytes: its phase

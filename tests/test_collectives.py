@@ -433,9 +433,12 @@ def test_many_rounds_in_a_small_arena(run_ranks, world_size):
     assert_all_good(results)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_large_tensors_take_the_chunked_paths(run_ranks, world_size):
-    """4 MiB and more per rank: four times the default 1 MiB arena slot."""
+@pytest.mark.parametrize("world_size,single", [(2, True), (2, False), (3, True)],
+                         ids=["2 ranks", "2 ranks without single copies", "3 ranks"])
+def test_large_tensors_take_the_chunked_paths(run_ranks, world_size, single):
+    """4 MiB and more per rank: four times the default 1 MiB arena slot. Two ranks copy
+    between their arrays (test_split_copy.py) unless SHMDIST_SINGLE_COPY=0: then they too
+    take the buffers' rounds."""
     big = (4 << 20) // 4 + 3     # float32 elements: a little over 4 MiB
     cases = [Case("all_reduce", "float32", big, "SUM", "numpy", "contiguous", False, seed=1),
              Case("all_reduce", "float32", big, "AVG", "torch", "strided", True, seed=2),
@@ -449,7 +452,8 @@ def test_large_tensors_take_the_chunked_paths(run_ranks, world_size):
               for i, coll in enumerate(MOVEMENTS)]
     cases.append(Case("all_to_all_single", "uint8", 4 * big, None, "torch", "contiguous", True, seed=40,
                       uneven=True))
-    assert_all_good(run_ranks(run_cases, world_size, available(cases), timeout=150))
+    env = None if single else {"SHMDIST_SINGLE_COPY": "0"}
+    assert_all_good(run_ranks(run_cases, world_size, available(cases), timeout=150, env=env))
 
 
 @needs_torch

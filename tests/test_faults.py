@@ -399,7 +399,10 @@ def _collective(name: str, rank: int, n: int, root: int):
     raise ValueError(name)
 
 
-PHASED_ARENA = {"SHMDIST_ARENA_BYTES": str(1 << 20), "SHMDIST_ROUND_BYTES": str(512 << 10)}
+# (SHMDIST_SINGLE_COPY=0: two members would copy between their arrays instead, in two phases;
+# test_split_copy.py kills a member before, between and inside those.)
+PHASED_ARENA = {"SHMDIST_ARENA_BYTES": str(1 << 20), "SHMDIST_ROUND_BYTES": str(512 << 10),
+                "SHMDIST_SINGLE_COPY": "0"}
 
 # name: (which operation the survivors' error names, the phase of the call at which the victim dies,
 #        the root is the victim)

@@ -47,6 +47,8 @@ SMALL_ALLREDUCE = 64 << 10            # up to this, every rank reduces the whole
 # (a draw), 768 KiB 69 vs 71 and 61 vs 46, 1 MiB 149 vs 99 and 138 vs 64 (quick vs the 512 KiB rounds).
 SMALL_ALLREDUCE_PAIR = 512 << 10
 LIVENESS_PERIOD = 0.2
+SPLIT_CHUNK = 256 << 10                # bytes of the other member's array read at a time (_all_reduce_split)
+_U64 = np.dtype(np.uint64)
 ROUND_ENV = "SHMDIST_ROUND_BYTES"     # most elements' bytes per round of a large all_reduce (settings.py)
 # More members than cores: every phase waits until each member has been scheduled, so fewer, longer
 # rounds (4 ranks on 2 cores, all_reduce 16 MiB 50-68 -> 20-36 ms, 64 MiB 211-245 -> 104-114 ms)
@@ -82,6 +84,7 @@ def open_group(world, key: str, ranks) -> "GroupComm":
     n = len(ranks)
     slot = slot_bytes()
     rounds = settings.get(ROUND_ENV)   # the creator's settings hold for every member
+    single = settings.get("SHMDIST_SINGLE_COPY")
     if n > len(os.sched_getaffinity(0)):   # see BUSY_SLOT_BYTES; a setting in the environment still wins
         slot, rounds = settings.get(SLOT_ENV, BUSY_SLOT_BYTES), settings.get(ROUND_ENV, BUSY_ROUND_BYTES)
     ctl_at = segment.HEADER_BYTES
@@ -94,8 +97,14 @@ def open_group(world, key: str, ranks) -> "GroupComm":
     members = hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
     creator = world.rank == ranks[0]
     seg = segment.share(world.store, f"arena/{key}/{members}", n, creator, size if creator else 0, who,
-                        world.timeout, init=lambda s: layout.PARAMS.pack_into(s.mm, layout.PARAMS_AT, slot, rounds))
+                        world.timeout, init=lambda s: _params(s.mm, slot, rounds, single))
     return GroupComm(world, ranks, seg)
+
+
+def _params(mm, slot: int, rounds: int, single: int) -> None:
+    """The creator's choices, which every member reads (GroupComm)."""
+    layout.PARAMS.pack_into(mm, layout.PARAMS_AT, slot, rounds)
+    layout.PAIR_SINGLE.pack_into(mm, layout.PAIR_SINGLE_AT, single)
 
 
 class Comm(Protocol):
@@ -147,6 +156,9 @@ class GroupComm:
         self.packed: dict[tuple, bytes] = {}   # descriptors already packed, by call
         self.rows: dict[tuple, np.ndarray] = {}  # _rows views, by (parity, count, dtype)
         self.quick: dict[tuple, tuple | None] = {}   # quick_all_reduce plans, by (dtype, op)
+        self.split: bool | None = None    # False: the two members cannot reach each other's memory
+        self.split_min, = layout.PAIR_SINGLE.unpack_from(seg.mm, layout.PAIR_SINGLE_AT)   # the creator's
+        self.scratch: np.ndarray | None = None   # where the other member's chunk is read (_all_reduce_split)
         self.small = min(SMALL_ALLREDUCE_PAIR if self.n == 2 else SMALL_ALLREDUCE, self.slot)
         self.row_stride = 2 * self.slot
         self.lock = threading.Lock()
@@ -312,8 +324,15 @@ class GroupComm:
         self._first_pass(f"{kind} (refused)", refused(kind), timeout)
 
     def broadcast(self, buf, root: int, timeout: float) -> None:
-        """Root streams through its buffers; the others copy out."""
+        """Root streams through its buffers; the others copy out. Two members
+        with a big message copy half each, straight between their arrays."""
         what = lambda: f"broadcast(src={self.ranks[root]}, {buf.describe()})"
+        desc = ("broadcast", buf.nbytes, 0, root, buf.dtype, 0)
+        if self._splits(buf.nbytes):
+            other = self._split_first(buf, what, desc, timeout)
+            if other is not None and self._broadcast_split(buf, root, other, what, timeout):
+                return
+            desc = None         # the call's first phase has passed: the rounds follow it
         total, chunk = buf.nbytes, self.slot
         rounds = max(1, -(-total // chunk))
         for r in range(rounds):
@@ -321,12 +340,109 @@ class GroupComm:
             b = self.phase % 2
             if self.me == root:
                 _core.copy(self._buf(root, b), buf.addr + at, size)
-            if r == 0:
-                self._first_pass(what, ("broadcast", total, 0, root, buf.dtype, 0), timeout)
+            if r == 0 and desc is not None:
+                self._first_pass(what, desc, timeout)
             else:
                 self._pass(what, timeout)
             if self.me != root:
                 _core.copy(buf.addr + at, self._buf(root, b), size)
+
+    # ------------------------------------------------------------ two members, single copies
+
+    def _splits(self, nbytes: int) -> bool:
+        """Whether a call moving ``nbytes`` may go as single copies between
+        two members (process_vm_readv/writev): from SHMDIST_SINGLE_COPY bytes
+        up (the creator's, layout.PAIR_SINGLE), unless the pair found it cannot: nothing
+        either member decides alone, so both take the same way."""
+        return self.n == 2 and self.split is not False and nbytes >= self.split_min > 0
+
+    def _split_first(self, buf, what, desc, timeout: float) -> tuple | None:
+        """The first phase of a call the two members may do as single copies:
+        publish (pid, address of the array) in this member's buffer, pass,
+        then the other's (pid, address), or None when either of the two may
+        not reach the other's memory (the probe at init, shm.py: EPERM under
+        Yama's ptrace scope, SHMDIST_SINGLE_COPY=0): both read the same two
+        answers once both are inside the call, so both decide alike, and the
+        pair takes the buffers from then on."""
+        b = self.phase % 2
+        self._words(self._buf(self.me, b))[:] = (os.getpid(), buf.addr)
+        self._first_pass(what, desc, timeout)
+        host = self.world.host
+        mine, other = self.ranks[self.me], self.ranks[1 - self.me]
+        if not (_core.ctl_reads(host.ctls[mine], host.local_ranks.index(other)) is True and
+                _core.ctl_reads(host.ctls[other], host.local_ranks.index(mine)) is True):
+            self.split = False
+            return None
+        pid, addr = (int(x) for x in self._words(self._buf(1 - self.me, b)))
+        return pid, addr
+
+    def _split_end(self, err: int, what, timeout: float) -> int:
+        """The last phase of a call done as single copies: publish this
+        member's errno (0: its copies went), pass, and return the first
+        nonzero of the two (the other's copies into this member's array
+        included)."""
+        b = self.phase % 2
+        self._words(self._buf(self.me, b))[0] = err
+        self._pass(what, timeout)
+        return err or int(self._words(self._buf(1 - self.me, b))[0])
+
+    def _broadcast_split(self, buf, root: int, other: tuple, what, timeout: float) -> bool:
+        """Broadcast between two members as two single copies at once: the
+        root writes the first half into the other's array (process_vm_writev)
+        while the other reads the second half from the root's. False when a
+        copy failed: the root's array is as it was, and the rounds redo it."""
+        pid, addr = other
+        half = (buf.nbytes // 2) & ~4095
+        if self.me == root:
+            err = _core.cma_write(pid, addr, buf.addr, half)
+        else:
+            err = _core.cma_read(pid, buf.addr + half, addr + half, buf.nbytes - half)
+        if self._split_end(err, what, timeout):
+            self.split = False      # (both saw it: the pair takes the buffers from now on, alike)
+            return False
+        return True
+
+    def _all_reduce_split(self, buf, arr: np.ndarray, plan: tuple, other: tuple, what,
+                          timeout: float) -> None:
+        """all_reduce between two members as single copies: member 0 reduces
+        the first half of the elements, member 1 the second. Chunk by chunk,
+        each reads the other's chunk into a private buffer (process_vm_readv),
+        reduces it with its own in place, in rank order, and writes the result
+        into the other's array (process_vm_writev). Each array's half that the
+        other reduces is only read and then written by that other member, so
+        nothing is read after it changed. A copy that fails leaves the arrays
+        half reduced: both members raise (never a silently wrong result)."""
+        pid, addr = other
+        kind, code, _ = plan
+        isz, count = arr.dtype.itemsize, arr.size
+        half = count // 2
+        lo, hi = (0, half) if self.me == 0 else (half, count)
+        step = max(1, SPLIT_CHUNK // isz)
+        if self.scratch is None:
+            self.scratch = np.empty(SPLIT_CHUNK, np.uint8)
+        tmp = self.scratch.ctypes.data
+        err = 0
+        for at in range(lo, hi, step):
+            n = min(step, hi - at)
+            mine, theirs = buf.addr + at * isz, addr + at * isz
+            err = _core.cma_read(pid, tmp, theirs, n * isz)
+            if err:
+                break
+            first, second = (mine, tmp) if self.me == 0 else (tmp, mine)
+            _core.reduce_two(kind, code, mine, first, second, n)
+            err = _core.cma_write(pid, theirs, mine, n * isz)
+            if err:
+                break
+        err = self._split_end(err, what, timeout)
+        if err:
+            self.split = False
+            raise DistError(
+                f"rank {self.rank}: {what()}: could not copy to or from rank {self.ranks[1 - self.me]}'s "
+                f"memory ({os.strerror(err)}); the tensor holds a partly reduced result. The group goes "
+                "on through its shared buffers (set SHMDIST_SINGLE_COPY=0 to use them from the start)")
+
+    def _words(self, addr: int) -> np.ndarray:
+        return self._view(addr, 2, _U64)
 
     def quick_barrier(self, timeout: float, how: int | None = None) -> bool:
         """The whole barrier in one C call when the others are already there
@@ -393,6 +509,14 @@ class GroupComm:
         n, me, dtype = self.n, self.me, arr.dtype
         isz = dtype.itemsize
         count = arr.size
+        if root < 0 and buf.nbytes > self.small and self._splits(buf.nbytes):
+            plan = self.ph.plan(dtype, op, buf.dtype)     # (nothing here may differ between the two)
+            if plan is not None:
+                other = self._split_first(buf, what, desc, timeout)
+                if other is not None:
+                    self._all_reduce_split(buf, arr, plan, other, what, timeout)
+                    return
+                # (the pair found it cannot: this call's first phase has passed, the whole call follows)
         if buf.nbytes <= self.small:
             b = self.phase % 2
             _core.copy(self._buf(me, b), buf.addr, buf.nbytes)
