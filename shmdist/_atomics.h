@@ -22,6 +22,10 @@ static inline uint32_t sd_load32(const uint32_t *p) { return __atomic_load_n(p, 
 static inline void sd_store32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
 static inline uint32_t sd_add32(uint32_t *p, int v) { return __atomic_add_fetch(p, (uint32_t)v, __ATOMIC_SEQ_CST); }
 static inline void sd_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline uint64_t sd_add64(uint64_t *p, uint64_t v) { return __atomic_add_fetch(p, v, __ATOMIC_SEQ_CST); }
+static inline int sd_cas64(uint64_t *p, uint64_t expect, uint64_t v) {
+    return __atomic_compare_exchange_n(p, &expect, v, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
 
 static inline void sd_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)

@@ -12,6 +12,8 @@ cdef extern from "_atomics.h" nogil:
     uint32_t sd_load32(const uint32_t *p)
     void sd_store32(uint32_t *p, uint32_t v)
     uint32_t sd_add32(uint32_t *p, int v)
+    uint64_t sd_add64(uint64_t *p, uint64_t v)
+    int sd_cas64(uint64_t *p, uint64_t expect, uint64_t v)
     void sd_fence()
     void sd_relax()
     int sd_futex_wait(uint32_t *addr, uint32_t val, long timeout_ns)
@@ -51,6 +53,15 @@ cdef class Ring:
     cdef size_t other_ctl
     cdef uint64_t cached_head   # what the consumer last saw
     cdef uint64_t cached_tail   # what the producer last saw
+    cdef uint64_t help_t        # consumer: the record whose reading it shares (HELP_NONE: none)
+    cdef size_t help_dst        # consumer: where that record's message goes
+    cdef uint64_t help_seq      # consumer: offers made, ever; producer: the last offer it helped
+    cdef uint64_t help_n        # consumer: chunks of the open offer
+    cdef int help_err           # consumer: the errno of one of its own chunks that failed
+    cdef public int64_t help_min   # consumer: offer from this many bytes (0 never; -1 not known yet)
+    cdef public uint64_t helped    # producer: chunks it copied into its consumer's memory, ever
+    cdef int _settle_help(self, long spins) noexcept nogil
+    cdef void _offer(self, uint64_t t, size_t dst, size_t src, uint64_t nbytes) noexcept
     cdef void _put(self, uint64_t at, const uint8_t *src, size_t n) noexcept nogil
     cdef void _get(self, uint64_t at, uint8_t *dst, size_t n, bint stream=*) noexcept nogil
     cdef uint64_t _push(self, const uint8_t *hdr, const uint8_t *src, uint64_t nbytes,

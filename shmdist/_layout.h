@@ -38,6 +38,14 @@ enum {
     SD_RING_TAIL = 128,
     SD_RING_WANT = 256,
     SD_RING_ACKED = 384,
+    SD_RING_HELP_SEQ = 512,
+    SD_RING_HELP_DST = 520,
+    SD_RING_HELP_SRC = 528,
+    SD_RING_HELP_BYTES = 536,
+    SD_RING_HELP_ERR = 544,
+    SD_RING_HELP_NEXT = 640,
+    SD_RING_HELP_DONE = 768,
+    SD_HELP_CHUNK = 262144,
     SD_RING_MIN_BYTES = 4096,
     SD_SLOT_STRIDE = 256,
     SD_SLOT_PHASE = 0,
@@ -108,6 +116,7 @@ enum {
     SD_NOT_TAKEN = -3,
     SD_OTHER_RECORD = -4,
     SD_ALL_ROUNDS_DONE = -5,
+    SD_HELPING = -6,
 };
 
 /* bytes per element of each kernel kind, indexed by SD_KIND_* */

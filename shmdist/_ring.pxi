@@ -10,6 +10,79 @@ cdef inline bint _single_copy_at(Ring ring, uint64_t t) noexcept nogil:
     return flags != 0
 
 
+cdef enum:
+    HELP_SPIN = 20000          # spins for the producer's last chunk before the caller waits its way
+
+
+cdef uint64_t HELP_NONE = 0xffffffffffffffff
+cdef uint64_t LOW32 = 0xffffffff
+
+
+cdef inline uint64_t *_hw(Ring ring, size_t at) noexcept nogil:
+    """A word of the ring's help slot (layout.RING_HELP_*)."""
+    return <uint64_t *>(<size_t>ring.head - SD_RING_HEAD + at)
+
+
+cdef inline void _help_done(uint64_t *done, uint64_t tag, uint64_t k) noexcept nogil:
+    """Count ``k`` more chunks done in offer ``tag``; nothing if that offer is over (a copy
+    that ended late must not count in the next one)."""
+    cdef uint64_t w
+    while True:
+        w = sd_load64(done)
+        if (w >> 32) != tag or sd_cas64(done, w, w + k):
+            return
+
+
+cdef void _touch(size_t addr, uint64_t nbytes) noexcept nogil:
+    """Write every page of [addr, addr + nbytes) once (each byte as it was): the
+    producer's process_vm_writev then lands on pages this process has faulted in.
+    Without it, chunks the producer wrote into pages never touched here read back
+    as other bytes on the 2-core VM (not reproduced in C alone; measured, not explained)."""
+    cdef volatile uint8_t *p
+    cdef size_t at = addr & ~(<size_t>4095)
+    while at < addr + nbytes:
+        p = <volatile uint8_t *>(at if at >= addr else addr)
+        p[0] = p[0]
+        at += 4096
+
+
+def touch(size_t addr, size_t nbytes):
+    """_touch: fault in every page of this process's [addr, addr + nbytes)
+    before another process writes there with process_vm_writev."""
+    with nogil:
+        _touch(addr, nbytes)
+
+
+cdef int _claim_copy(Ring ring, uint64_t tag, uint64_t n, int pid, size_t dst, size_t src,
+                     uint64_t nbytes, bint write) noexcept nogil:
+    """Claim chunks of offer ``tag`` (of ``n``) one at a time and copy each: the
+    producer writes its memory at ``src`` to the consumer's at ``dst``
+    (``write``), the consumer reads. Until none is left, or a copy fails:
+    then its errno (the producer's also in HELP_ERR, before the chunk counts)."""
+    cdef uint64_t *nxt = _hw(ring, SD_RING_HELP_NEXT)
+    cdef uint64_t w, k, off, ln
+    cdef int err
+    while True:
+        w = sd_load64(nxt)
+        if (w >> 32) != tag or (w & LOW32) >= n:
+            return 0
+        if not sd_cas64(nxt, w, w + 1):
+            continue
+        k = w & LOW32
+        off = k * SD_HELP_CHUNK
+        ln = min(<uint64_t>SD_HELP_CHUNK, nbytes - off)
+        if write:
+            ring.helped += 1
+            err = _cma(pid, src + off, dst + off, ln, True)
+            if err:
+                sd_store64(_hw(ring, SD_RING_HELP_ERR), <uint64_t>err)
+        else:
+            err = _cma(pid, dst + off, src + off, ln, False)
+        _help_done(_hw(ring, SD_RING_HELP_DONE), tag, 1)
+        if err:
+            return err
+
+
 cdef class Ring:
     """One single-producer, single-consumer byte ring in shared memory.
 
@@ -43,6 +116,9 @@ cdef class Ring:
         self.other_ctl = other_ctl
         self.cached_head = sd_load64(self.head)
         self.cached_tail = sd_load64(self.tail)
+        self.help_t = HELP_NONE
+        self.help_min = -1
+        self.help_seq = sd_load64(_hw(self, SD_RING_HELP_SEQ))
 
     cdef inline void _put(self, uint64_t at, const uint8_t *src, size_t n) noexcept nogil:
         cdef uint64_t off = at & self.mask
@@ -179,9 +255,10 @@ cdef class Ring:
         cdef int64_t htag, hgid
         cdef uint64_t hbytes
         cdef int32_t flags
-        cdef ssize_t got
-        cdef size_t done = 0
-        cdef iovec local, remote
+        cdef int err, pid
+        cdef size_t src
+        cdef uint64_t otag
+        cdef bint settled
         cdef uint64_t *acked
         if self.cached_head - t < total:
             self.cached_head = sd_load64(self.head)
@@ -196,19 +273,34 @@ cdef class Ring:
                 or memcmp(hdr + SD_HDR_DTYPE, dtype16, SD_DTYPE_BYTES)):
             return SD_OTHER_RECORD
         self._get(t + SD_HEADER_BYTES, <uint8_t *>meta, 16)
-        with nogil:
-            while done < nbytes:
-                local.iov_base = <void *>(addr + done)
-                local.iov_len = nbytes - done
-                remote.iov_base = <void *>(<size_t>meta[1] + done)
-                remote.iov_len = nbytes - done
-                got = process_vm_readv(<int>meta[0], &local, 1, &remote, 1, 0)
-                if got < 0 and errno == EINTR:
-                    continue
-                if got <= 0:
-                    break
-                done += <size_t>got
-        if done < nbytes or sd_load32(<uint32_t *>(self.other_ctl + SD_CTL_CLOSED)):
+        pid, src = <int>meta[0], <size_t>meta[1]
+        if self.help_t != HELP_NONE and (self.help_t != t or self.help_dst != addr):
+            with nogil:     # an earlier offer, for another receive: over first
+                settled = self._settle_help(HELP_SPIN)
+            if not settled:
+                return SD_HELPING
+        if self.help_min > 0 and nbytes >= <uint64_t>self.help_min and nbytes >= 2 * SD_HELP_CHUNK:
+            # shared: the producer, waiting for this very read, copies chunks of it too
+            if self.help_t == HELP_NONE:
+                with nogil:
+                    _touch(addr, nbytes)
+                self._offer(t, addr, src, nbytes)
+            otag = self.help_seq & LOW32
+            with nogil:
+                if not self.help_err:
+                    self.help_err = _claim_copy(self, otag, self.help_n, pid, addr, src, nbytes, False)
+                settled = self._settle_help(HELP_SPIN)
+            if not settled:
+                return SD_HELPING       # the producer's last chunk: the caller waits, then comes back
+            err = self.help_err or <int>sd_load64(_hw(self, SD_RING_HELP_ERR))
+            self.help_err = 0
+            if err:                     # redo it alone: a chunk may be missing
+                with nogil:
+                    err = _cma(pid, addr, src, nbytes, False)
+        else:
+            with nogil:
+                err = _cma(pid, addr, src, nbytes, False)
+        if err or sd_load32(<uint32_t *>(self.other_ctl + SD_CTL_CLOSED)):
             # (a sender that said goodbye may have changed the memory read: the engine reports it)
             return SD_OTHER_RECORD
         sd_store64(self.tail, t + total)
@@ -217,6 +309,103 @@ cdef class Ring:
         sd_store64(acked, sd_load64(acked) + 1)
         _ring_traffic(self.other_ctl)
         return SD_DONE
+
+    # ------------------------------------------------------------ sharing a single copy's reading
+    #
+    # A consumer reading a big single copy (_take_single) offers its producer, which is
+    # waiting for that read to end, to copy chunks of it too, each core then copying about
+    # half (one core's copy was what limited a big message one way). The offer is the help
+    # slot of the ring's control block (layout.RING_HELP_*): where the message is and goes,
+    # then NEXT = offer << 32 | 0 and DONE = offer << 32 | 0, then SEQ = offer. Either side
+    # claims the next chunk by compare-and-swap on NEXT (only while its tag is that offer's
+    # and chunks are left), copies it and counts it in DONE (only while its tag is still
+    # that offer's). The offer is over when DONE counts every chunk; the consumer opens the
+    # next only then, so a claim made under one offer never lands in another. A producer
+    # that never looks copies nothing: the consumer claims every chunk itself. A copy of
+    # the producer's that fails is in HELP_ERR, and the consumer then reads it all again.
+
+    cdef void _offer(self, uint64_t t, size_t dst, size_t src, uint64_t nbytes) noexcept:
+        cdef uint64_t tag
+        self.help_seq += 1
+        tag = self.help_seq & LOW32
+        self.help_t, self.help_dst, self.help_err = t, dst, 0
+        self.help_n = (nbytes + SD_HELP_CHUNK - 1) // SD_HELP_CHUNK
+        sd_store64(_hw(self, SD_RING_HELP_DST), dst)
+        sd_store64(_hw(self, SD_RING_HELP_SRC), src)
+        sd_store64(_hw(self, SD_RING_HELP_BYTES), nbytes)
+        sd_store64(_hw(self, SD_RING_HELP_ERR), 0)
+        sd_store64(_hw(self, SD_RING_HELP_DONE), tag << 32)
+        sd_store64(_hw(self, SD_RING_HELP_NEXT), tag << 32)
+        sd_fence()
+        sd_store64(_hw(self, SD_RING_HELP_SEQ), self.help_seq)
+        _ring_traffic(self.other_ctl)      # a producer asleep in its wait for this read looks now
+
+    cdef int _settle_help(self, long spins) noexcept nogil:
+        """Consumer: end the open offer: claim the chunks nobody claimed yet (as
+        done, uncopied), then wait up to ``spins`` for the producer's chunk in
+        flight. 1 when the offer is over (or there was none)."""
+        cdef uint64_t tag, w, left
+        cdef uint64_t *nxt
+        cdef long i
+        if self.help_t == HELP_NONE:
+            return 1
+        tag = self.help_seq & LOW32
+        nxt = _hw(self, SD_RING_HELP_NEXT)
+        while True:
+            w = sd_load64(nxt)
+            left = self.help_n - min(w & LOW32, self.help_n)
+            if left == 0 or sd_cas64(nxt, w, (tag << 32) | self.help_n):
+                break
+        if left:
+            _help_done(_hw(self, SD_RING_HELP_DONE), tag, left)
+            self.help_err = self.help_err or EFAULT    # (those chunks were not copied: read it all again)
+        for i in range(spins):
+            if (sd_load64(_hw(self, SD_RING_HELP_DONE)) & LOW32) >= self.help_n:
+                self.help_t = HELP_NONE
+                return 1
+            sd_relax()
+        return 0
+
+    def help_open(self):
+        """Consumer: whether the record at its tail is being read with its producer's help."""
+        return self.help_t != HELP_NONE
+
+    def settle_help(self, long spins=HELP_SPIN):
+        """Consumer: end the open offer, if any (its receive went elsewhere, or
+        the engine closes): True once the producer copies nothing more of it."""
+        cdef int done
+        with nogil:
+            done = self._settle_help(spins)
+        return bool(done)
+
+    def help_offer(self):
+        """Producer: the consumer's open offer it has not helped yet, with chunks
+        left to claim: (offer, address of the message here, its bytes), else None."""
+        cdef uint64_t seq = sd_load64(_hw(self, SD_RING_HELP_SEQ))
+        cdef uint64_t w, nbytes
+        if seq == self.help_seq:
+            return None
+        w = sd_load64(_hw(self, SD_RING_HELP_NEXT))
+        nbytes = sd_load64(_hw(self, SD_RING_HELP_BYTES))
+        if (w >> 32) != (seq & LOW32) or (w & LOW32) >= (nbytes + SD_HELP_CHUNK - 1) // SD_HELP_CHUNK:
+            self.help_seq = seq
+            return None
+        return seq, sd_load64(_hw(self, SD_RING_HELP_SRC)), nbytes
+
+    def help(self, int pid, uint64_t seq, size_t src, uint64_t nbytes):
+        """Producer: copy chunks of offer ``seq`` (which help_offer gave, for the
+        message of ``nbytes`` at ``src`` here) into process ``pid``, the consumer,
+        until none is left; then ring it. Returns the errno of a copy that failed, or 0."""
+        cdef int err = 0
+        cdef size_t dst = sd_load64(_hw(self, SD_RING_HELP_DST))
+        self.help_seq = seq
+        if sd_load64(_hw(self, SD_RING_HELP_SRC)) != src or sd_load64(_hw(self, SD_RING_HELP_BYTES)) != nbytes:
+            return 0
+        with nogil:
+            err = _claim_copy(self, seq & LOW32, (nbytes + SD_HELP_CHUNK - 1) // SD_HELP_CHUNK,
+                              pid, dst, src, nbytes, True)
+        _ring_traffic(self.other_ctl)
+        return err
 
     cdef int _take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, const char *dtype16):
         cdef uint64_t t = sd_load64(self.tail)

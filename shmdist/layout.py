@@ -70,6 +70,17 @@ RING_TAIL = 128               # uint64: bytes the consumer consumed, ever
 RING_WANT = 256               # uint32: 1 while the producer waits for room (the consumer rings only then)
 RING_ACKED = 384              # uint64: single-copy records the consumer has read from the producer, ever
 RING_MIN_BYTES = 4096         # a ring's data is a power of two at least this big
+# Sharing the reading of a big single copy (_ring.pxi, "help"): the consumer offers the
+# producer chunks of HELP_CHUNK bytes of the message it is reading; whoever claims a chunk
+# copies it (the consumer with process_vm_readv, the producer with process_vm_writev).
+RING_HELP_SEQ = 512           # uint64: the number of the consumer's last offer (0: none yet)
+RING_HELP_DST = 520           # uint64: where the message goes, in the consumer's memory
+RING_HELP_SRC = 528           # uint64: where it is, in the producer's
+RING_HELP_BYTES = 536         # uint64: its bytes
+RING_HELP_ERR = 544           # uint64: the errno of a producer's copy that failed (0: none)
+RING_HELP_NEXT = 640          # uint64: offer number << 32 | the next chunk to claim (compare-and-swap)
+RING_HELP_DONE = 768          # uint64: chunks of the offer copied (or given up), by both
+HELP_CHUNK = 256 << 10
 
 # ---------------------------------------------------------------- segment parameters
 # Written by a segment's creator after the segment header (segment.py), read
@@ -195,7 +206,9 @@ BROKEN = -2                   # the group is broken: nothing was done
 NOT_TAKEN = -3                # the call does not suit this fast path: nothing was done
 OTHER_RECORD = -4             # the next record is not the one asked for: read its header
 ALL_ROUNDS_DONE = -5          # every round of a large all_reduce is done
-CODES = ("DONE_SPINNING", "DONE", "NOT_YET", "DIFFER", "BROKEN", "NOT_TAKEN", "OTHER_RECORD", "ALL_ROUNDS_DONE")
+HELPING = -6                  # the record is being read, the producer copying chunks of it too: later
+CODES = ("DONE_SPINNING", "DONE", "NOT_YET", "DIFFER", "BROKEN", "NOT_TAKEN", "OTHER_RECORD", "ALL_ROUNDS_DONE",
+         "HELPING")
 
 # ---------------------------------------------------------------- the C view
 
@@ -215,6 +228,9 @@ def c_constants() -> dict[str, int]:
         "SD_CAUSE_BYTES": CAUSE_BYTES,
         "SD_RING_CTL_BYTES": RING_CTL_BYTES, "SD_RING_HEAD": RING_HEAD, "SD_RING_TAIL": RING_TAIL,
         "SD_RING_WANT": RING_WANT, "SD_RING_ACKED": RING_ACKED,
+        "SD_RING_HELP_SEQ": RING_HELP_SEQ, "SD_RING_HELP_DST": RING_HELP_DST, "SD_RING_HELP_SRC": RING_HELP_SRC,
+        "SD_RING_HELP_BYTES": RING_HELP_BYTES, "SD_RING_HELP_ERR": RING_HELP_ERR,
+        "SD_RING_HELP_NEXT": RING_HELP_NEXT, "SD_RING_HELP_DONE": RING_HELP_DONE, "SD_HELP_CHUNK": HELP_CHUNK,
         "SD_RING_MIN_BYTES": RING_MIN_BYTES,
         "SD_SLOT_STRIDE": SLOT_STRIDE, "SD_SLOT_PHASE": SLOT_PHASE, "SD_SLOT_DESC": SLOT_DESC,
         "SD_DESC_BYTES": DESC_BYTES, "SD_DESC_WORDS": DESC_WORDS, "SD_DESC_KIND": DESC_KIND,

@@ -340,8 +340,10 @@ def test_sigkill_mid_p2p(run_ranks, tmp_path, no_leaks, world_size, phase):
     victim = world_size - 1
     partner = (victim + 1) % world_size
     death_file = str(tmp_path / "death")
+    # Through the ring (SHMDIST_SINGLE_COPY=0): one way, a message bigger than the ring would
+    # go as a single copy, whose deaths test_p2p_single_copy.py and test_p2p_help.py cover.
     results = run_ranks(dies_in_p2p, world_size, phase, victim, death_file, errors="return",
-                        timeout=RUN_TIMEOUT_S)
+                        timeout=RUN_TIMEOUT_S, env={"SHMDIST_SINGLE_COPY": "0"})
     death, survivors = _survivors(results, victim, death_file)
     times = _report(f"p2p-{phase} n={world_size} victim={victim}", death, survivors)
     for r, res in survivors.items():

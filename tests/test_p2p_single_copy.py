@@ -1,8 +1,8 @@
 """Single copy between local ranks (transport/engine.py): a message at least
 SHMDIST_SINGLE_COPY bytes big that the ring cannot take whole at once (and,
-one way, only when it is bigger than the ring and at most
-engine.ONE_WAY_SINGLE_MAX; else only while a receive from its destination
-is pending too) goes
+one way, only when it is bigger than the ring, or from
+engine.ONE_WAY_SINGLE_MIN while earlier messages are on their way; else
+only while a receive from its destination is pending too) goes
 through the ring as a small record naming the sender's memory, and the
 receiver reads it from there with process_vm_readv. A 64 KiB ring here, so
 that every message from the threshold up takes that way. Bit-exact data around the threshold, both ways at once,
@@ -270,9 +270,9 @@ def ring_or_single(rank, world_size, init_method, nbytes, pending):
 
 @pytest.mark.parametrize("nbytes, pending, way", [
     (256 << 10, False, "ring"),     # fits the 1 MiB ring: completes at once, even if the sender exits
-    (8 << 20, None, "ring"),        # one way and above ONE_WAY_SINGLE_MAX: the ring's two copies
+    (8 << 20, None, "single"),      # one way, bigger than the ring: its reading shared with the sender
     (8 << 20, True, "single"),      # the same with a receive from the peer pending
-    (2 << 20, None, "single"),      # one way, does not fit the ring, not above ONE_WAY_SINGLE_MAX
+    (2 << 20, None, "single"),      # one way, does not fit the ring
 ])
 def test_which_messages_go_single_copy(run_ranks, nbytes, pending, way):
     env = {"SHMDIST_SINGLE_COPY": str(THRESHOLD), "SHMDIST_RING_BYTES": str(1 << 20)}

@@ -258,3 +258,21 @@ def torch_pair(rank, world_size, init_method):
     ok_b = bool(torch.equal(b, torch.arange(1 << 20, dtype=torch.bfloat16)[::2]))
     tdist.destroy_process_group()
     return ok_sum, ok_b, seen["read"] + seen["write"] >= 2
+
+
+def untouched(rank, world_size, init_method):
+    """Receive buffers whose pages this process never touched (np.empty of 16 MiB, fresh
+    each time): the other member writes into them."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    n, ok = (16 << 20) + 5, []
+    for k in range(3):
+        want = np.random.default_rng(k).integers(0, 256, n, dtype=np.uint8)
+        b = want.copy() if rank == 0 else np.empty(n, np.uint8)
+        dist.broadcast(b, src=0)
+        ok.append(bool(np.array_equal(b, want)))
+    dist.destroy_process_group()
+    return ok
+
+
+def test_a_broadcast_into_pages_never_touched_is_right(run_ranks):
+    assert run_ranks(untouched, 2, timeout=60) == [[True] * 3, [True] * 3]

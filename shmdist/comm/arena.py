@@ -101,6 +101,11 @@ def open_group(world, key: str, ranks) -> "GroupComm":
     return GroupComm(world, ranks, seg)
 
 
+def _split_half(nbytes: int) -> int:
+    """The bytes of a two-member broadcast that its root writes (the first ones)."""
+    return (nbytes // 2) & ~4095
+
+
 def _params(mm, slot: int, rounds: int, single: int) -> None:
     """The creator's choices, which every member reads (GroupComm)."""
     layout.PARAMS.pack_into(mm, layout.PARAMS_AT, slot, rounds)
@@ -329,6 +334,8 @@ class GroupComm:
         what = lambda: f"broadcast(src={self.ranks[root]}, {buf.describe()})"
         desc = ("broadcast", buf.nbytes, 0, root, buf.dtype, 0)
         if self._splits(buf.nbytes):
+            if self.me != root:     # the root writes the first half here (see _ring.pxi, _touch)
+                _core.touch(buf.addr, _split_half(buf.nbytes))
             other = self._split_first(buf, what, desc, timeout)
             if other is not None and self._broadcast_split(buf, root, other, what, timeout):
                 return
@@ -392,7 +399,7 @@ class GroupComm:
         while the other reads the second half from the root's. False when a
         copy failed: the root's array is as it was, and the rounds redo it."""
         pid, addr = other
-        half = (buf.nbytes // 2) & ~4095
+        half = _split_half(buf.nbytes)
         if self.me == root:
             err = _core.cma_write(pid, addr, buf.addr, half)
         else:

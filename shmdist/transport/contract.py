@@ -37,6 +37,18 @@ class Channel(Protocol):
         """Consume what arrived of the peeked record into ``addr`` (0: drop
         it) from position ``pos``; the new position."""
 
+    # Sharing a single copy's reading with its sender (shm; a transport without single
+    # copies: help_open False, settle_help True, and an attribute help_min of 0, the bytes
+    # from which it offers: 0 never, -1 not known yet, which the engine sets).
+
+    def help_open(self) -> bool:
+        """Whether the next record is being read with its sender's help (take
+        said HELPING): nothing else may be read from the channel meanwhile."""
+
+    def settle_help(self) -> bool:
+        """End that help (its receive went elsewhere): True once the sender
+        copies nothing more of it."""
+
 
 @runtime_checkable
 class Transport(Protocol):

@@ -18,8 +18,8 @@ send before they receive do not deadlock.
 Single copy: a message of at least SHMDIST_SINGLE_COPY bytes to a local
 peer that the ring cannot take whole now (it would wait for room anyway),
 while a receive from that peer is pending here (both ways at once) or, one
-way, when it is bigger than the ring (up to ONE_WAY_SINGLE_MAX),
-goes as a small record instead, flagged HDR_SINGLE_COPY, whose payload is
+way, when it is bigger than the ring or (from ONE_WAY_SINGLE_MIN) follows
+others still on their way, goes as a small record instead, flagged HDR_SINGLE_COPY, whose payload is
 SINGLE_COPY (this process's pid, the message's address). The receiver reads
 the message from here with process_vm_readv, straight into its buffer (or,
 unasked for, into a private one, so the sender is never held up), then
@@ -33,6 +33,15 @@ only where the peer's probe at init could read this rank's memory
 (shm.py), never while a receive pending here writes into the memory sent
 (a single copy reads it later than a ring copy would), and a receive into
 memory an unread single copy still reads waits for that read first.
+
+A receiver reading a single copy of at least HELP_MIN bytes for a posted
+receive offers the sender to share the reading (_ring.pxi, "sharing a
+single copy's reading"): the sender, waiting for that read, copies chunks
+into the receiver's buffer with process_vm_writev (_help) while the
+receiver reads the others, so each core copies about half. A sender busy
+elsewhere copies nothing and loses nothing: the receiver claims every chunk.
+While such a reading is open, nothing else is read from that ring; a receive
+that goes elsewhere meanwhile first ends it (settle_help), and so does close.
 """
 from __future__ import annotations
 
@@ -47,21 +56,22 @@ import numpy as np
 from shmdist import _core, settings, trace
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
 from shmdist.layout import DONE, HEADER as HDR, MAGIC, MAX_DIMS, VERSION   # the record header (layout.py)
-from shmdist.layout import HDR_SINGLE_COPY, SINGLE_COPY
+from shmdist.layout import HDR_SINGLE_COPY, HELPING, SINGLE_COPY
 from shmdist.request import DistributedRequest
 from shmdist.tensors import as_buf, describe
 
 LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
-# Above this, a message goes in a single copy only while a receive from its destination is
-# pending too (both ways at once). One way, the ring's two copies run on two cores at once,
-# the receiver's with streaming stores: 13.2 GB/s at 16 MiB and 9.3 at 256 MiB on the quiet
-# 2-core VM, where process_vm_readv alone moves 10.4 GB/s at 16 MiB (bench/cma_probe.py) and
-# Open MPI's single copy 7.1 at 64 MiB. Both ways, each core has its own copy to make anyway.
-ONE_WAY_SINGLE_MAX = 4 << 20
-# And one way, a message the empty ring could take whole streams through it, pipelined on two
-# cores, even while the ring is busy: as a single copy, a loop of blocking sends waited for each
-# read (a round trip per message) and its ratio to MPI at 1 MiB went from 1.8-2.0 to 2.9-3.5
-# (interleaved benchmark, 2 runs of 3 rounds, load 3-12 from other jobs).
+# One way (no receive from the destination pending here), a message goes in a single copy
+# when the ring could not take it whole, or from ONE_WAY_SINGLE_MIN bytes while earlier
+# messages to the same peer are still on their way (a window of isends); the first of a
+# window, and a loop of blocking sends, stream through the ring instead, pipelined on two
+# cores: as single copies, each blocking send waited for its read, a round trip per message
+# (1 MiB: 1.59-1.74 x MPI against 1.32-1.37 through the ring; windowed 0.73-0.86 against
+# 1.31-1.59; interleaved benchmark, 2026-12-05). Its reading is shared with the sender from
+# HELP_MIN bytes (two chunks), so each core copies about half: one way at 16 MiB 20-28 GB/s
+# against 14-15 through the ring, where one process_vm_readv moves 10 (bench/cma_probe.py).
+ONE_WAY_SINGLE_MIN = 1 << 20
+HELP_MIN = 512 << 10
 COLLECTIVE_GID = 1 << 40  # group ids at and above it carry collectives' own messages
 
 
@@ -178,8 +188,8 @@ class Engine:
             q = sendq.get(dst)
             if buf.nbytes >= self.single_min > 0 and dst in self.single_by and \
                     (q or chan.room() < _core.record_bytes(buf.nbytes)) and \
-                    (self._receiving_from(dst) or
-                     self.single_by[dst].ring_bytes < _core.record_bytes(buf.nbytes) <= ONE_WAY_SINGLE_MAX) and \
+                    (self._receiving_from(dst) or self.single_by[dst].ring_bytes < _core.record_bytes(buf.nbytes)
+                     or buf.nbytes >= ONE_WAY_SINGLE_MIN and (q or self.queues.awaiting.get(dst))) and \
                     buf.nbytes >= self._single_limit(dst) and not self._written(buf):
                 meta = np.array([self.pid, buf.addr], dtype=np.uint64)      # layout.SINGLE_COPY
                 header = make_header(tag, gid, self.rank, buf, HDR_SINGLE_COPY)
@@ -384,6 +394,8 @@ class Engine:
                     del sendq[dst]
         if queues.awaiting:
             self._acked()
+            if queues.awaiting:
+                self._help()
         for src, chan in self.chan_in:
             if held is not None and src in held:
                 continue        # a pending fast receive's ring: the lane takes its records
@@ -392,12 +404,19 @@ class Engine:
                 if inc is None:
                     if posted:      # the usual case, in one call: a whole record for the next receive
                         r = self._next_posted(src)
-                        if r is not None and chan.take(r.tag, r.gid, r.buf.addr, r.buf.nbytes, r.dtype16,
-                                                       single) == DONE:
-                            posted.remove(r)
-                            self._complete_recv(r, src)
-                            drain = False
-                            continue
+                        if r is not None:
+                            if single and chan.help_min < 0:
+                                chan.help_min = self._help_min(src)
+                            got = chan.take(r.tag, r.gid, r.buf.addr, r.buf.nbytes, r.dtype16, single)
+                            if got == DONE:
+                                posted.remove(r)
+                                self._complete_recv(r, src)
+                                drain = False
+                                continue
+                            if got == HELPING:
+                                break       # the producer copies chunks of it too: later
+                    if chan.help_open() and (not single or not chan.settle_help()):
+                        break   # the record is being read for a receive: its own (or the one gone) first
                     header = chan.peek()
                     if header is None:
                         break
@@ -421,6 +440,32 @@ class Engine:
                 rx[src] = None
                 if self._finish(inc):
                     drain = False
+
+    def _help(self) -> None:
+        """Copy chunks of the single copies that their destinations are reading
+        now and offer to share (_ring.pxi, "sharing a single copy's reading"):
+        each core then copies about half of a big message (lock held)."""
+        for dst, q in self.queues.awaiting.items():
+            chan = self.chan_out[dst]
+            offer = chan.help_offer()
+            if offer is None:
+                continue
+            seq, src, nbytes = offer
+            if not any(op.buf.addr == src and op.buf.nbytes == nbytes for op in q):
+                continue        # not a message of ours still waiting: leave it to its reader
+            pid = self.single_by[dst].peer_pids.get(dst)
+            if pid and self.single_by[dst].reads(dst):
+                chan.help(pid, seq, src, nbytes)   # (a failed copy: the reader reads it all again)
+
+    def _help_min(self, src: int) -> int:
+        """The smallest single copy from ``src`` whose reading this rank offers
+        to share with it: 0 when ``src`` may not write into this rank's
+        memory, -1 while that is not known yet."""
+        transport = self.single_by.get(src)
+        if transport is None:
+            return 0
+        ok = transport.single_copy_to(src)
+        return -1 if ok is None else (HELP_MIN if ok else 0)
 
     def _acked(self) -> None:
         """Complete the single-copy sends their destinations have read (lock held)."""
@@ -749,6 +794,9 @@ class Engine:
             q.posted.clear()        # in place: the lane reads these very objects
             q.sendq.clear()
             q.awaiting.clear()
+            for _, chan in self.chan_in:
+                if hasattr(chan, "settle_help"):
+                    chan.settle_help()   # no peer copies into a receive's memory once it has failed
         for req in reqs:
             if req is not None and not req._done:
                 req._complete(self._destroyed(req))

@@ -155,6 +155,11 @@ class ShmHost:
                 ok = _core.cma_read(pid, word.ctypes.data, addr + layout.CTL_ADDR, 8) == 0 and int(word[0]) == addr
             _core.ctl_probed(self.my_ctl, i, ok)
 
+    def reads(self, peer: int) -> bool:
+        """Whether this rank may read (and write) local ``peer``'s memory: its own probe."""
+        i = self.local_ranks.index(peer)
+        return i < 64 and self.me < 64 and _core.ctl_reads(self.my_ctl, i) is True
+
     def single_copy_to(self, peer: int) -> bool | None:
         """Whether local ``peer`` reads this rank's memory itself (its probe
         succeeded); None until it has probed."""

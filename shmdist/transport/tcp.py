@@ -168,6 +168,14 @@ class Link:
         """No one-call receive over a socket: the engine reads the header first."""
         return 0
 
+    help_min = 0        # no single copies over a socket, so none to share
+
+    def help_open(self) -> bool:
+        return False
+
+    def settle_help(self) -> bool:
+        return True
+
     def peek(self) -> bytes | None:
         """The next record's header once it has fully arrived and is well formed."""
         if self.broken or self.armed & select.POLLIN:

@@ -1,0 +1,200 @@
+"""A big single copy read by both ends (_ring.pxi, "sharing a single copy's
+reading"; transport/engine.py): the receiver of a single copy of at least
+engine.HELP_MIN bytes offers the sender, which waits for that read, to copy
+256 KiB chunks of it into the receiver's buffer (process_vm_writev) while it
+reads the others, each chunk claimed once by compare-and-swap.
+
+Bit-exact data around the chunk edges, one way windowed and blocking, both
+ways at once, any-source receives; that the sender really copied chunks
+(its ring's ``helped`` count); a sender busy elsewhere (the receiver reads
+it all alone); a sender whose copies fail (the receiver reads it all again);
+and a sender that dies with an offer open."""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+import shmdist as dist
+
+CHUNK = 256 << 10
+SIZES = (2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1, 5 * CHUNK + 13, (3 << 20) + 5, (17 << 20) + 3)
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def engine():
+    from shmdist.api import group
+    return group._world.engine
+
+
+def helped(peer: int) -> int:
+    """Chunks this rank copied into ``peer``'s memory, ever."""
+    return engine().chan_out[peer].helped
+
+
+def one_way(rank, world_size, init_method, how):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    bad = []
+    for i, n in enumerate(SIZES):
+        if rank == 0:
+            msgs = [pattern(n, 10 * i + k) for k in range(3)]
+            if how == "window":
+                for r in [dist.isend(m, 1, tag=k) for k, m in enumerate(msgs)]:
+                    r.wait()
+            else:
+                for k, m in enumerate(msgs):
+                    dist.send(m, 1, tag=k).wait()
+        else:
+            for k in range(3):
+                into = np.zeros(n, np.uint8)
+                src = None if how == "any source" else 0
+                dist.recv(into, src, tag=k).wait()
+                if not np.array_equal(into, pattern(n, 10 * i + k)):
+                    bad.append((n, k))
+    copied = helped(1) if rank == 0 else 0
+    dist.destroy_process_group()
+    return bad, copied
+
+
+@pytest.mark.parametrize("how", ["window", "blocking", "any source"])
+def test_one_way_is_bit_exact_and_the_sender_copies_chunks(run_ranks, how):
+    (bad0, copied), (bad1, _) = run_ranks(one_way, 2, how, timeout=90)
+    assert bad0 == [] and bad1 == []
+    assert copied > 0       # the sender took part in reading its own messages
+
+
+def both_ways(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    peer = 1 - rank
+    bad = []
+    for i, n in enumerate(SIZES):
+        outs = [pattern(n, 100 * i + 10 * rank + k) for k in range(4)]
+        intos = [np.zeros(n, np.uint8) for _ in range(4)]
+        reqs = [dist.irecv(x, peer, tag=k) for k, x in enumerate(intos)]
+        reqs += [dist.isend(x, peer, tag=k) for k, x in enumerate(outs)]
+        for r in reqs:
+            r.wait()
+        bad += [(n, k) for k in range(4) if not np.array_equal(intos[k], pattern(n, 100 * i + 10 * peer + k))]
+    dist.destroy_process_group()
+    return bad
+
+
+def test_both_ways_at_once_is_bit_exact(run_ranks):
+    assert run_ranks(both_ways, 2, timeout=90) == [[], []]
+
+
+def busy_sender(rank, world_size, init_method):
+    """Rank 0 posts its sends and then computes for a while: nobody shares rank 1's reading."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    n = (6 << 20) + 7
+    if rank == 0:
+        reqs = [dist.isend(pattern(n, k), 1, tag=k) for k in range(3)]
+        time.sleep(1.5)                 # not in any shmdist call: rank 1 reads alone meanwhile
+        for r in reqs:
+            r.wait()
+        out = helped(1)
+    else:
+        out = []
+        t0 = time.monotonic()
+        for k in range(3):
+            into = np.zeros(n, np.uint8)
+            dist.recv(into, 0, tag=k).wait()
+            out.append(bool(np.array_equal(into, pattern(n, k))))
+        out.append(time.monotonic() - t0 < 1.4)  # it did not wait for the busy sender
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_sender_busy_elsewhere_leaves_the_whole_reading_to_the_receiver(run_ranks):
+    copied, got = run_ranks(busy_sender, 2, timeout=60)
+    assert got == [True, True, True, True]
+    assert copied == 0
+
+
+def failing_sender(rank, world_size, init_method):
+    """Rank 0's shared copies all fail: it writes into a process that is gone (ESRCH)."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    n = (4 << 20) + 9
+    if rank == 0:
+        import subprocess
+        from shmdist.transport import engine as eng
+        gone = subprocess.Popen(["true"])
+        gone.wait()                     # its pid names no process now
+
+        def into_nobody(self):
+            for dst in list(self.queues.awaiting):
+                offer = self.chan_out[dst].help_offer()
+                if offer is not None:
+                    self.chan_out[dst].help(gone.pid, *offer)
+        real, eng.Engine._help = eng.Engine._help, into_nobody
+        for k in range(3):
+            dist.send(pattern(n, k), 1, tag=k).wait()
+        eng.Engine._help = real
+        out = helped(1)
+    else:
+        out = []
+        for k in range(3):
+            into = np.zeros(n, np.uint8)
+            dist.recv(into, 0, tag=k).wait()
+            out.append(bool(np.array_equal(into, pattern(n, k))))
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_sender_whose_copies_fail_makes_the_receiver_read_it_all_again(run_ranks):
+    tried, got = run_ranks(failing_sender, 2, timeout=60)
+    assert got == [True, True, True]
+    assert tried > 0        # it claimed chunks, and its copies failed
+
+
+def dying_sender(rank, world_size, init_method):
+    """Rank 0 dies the moment it sees rank 1's offer."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    n = (8 << 20) + 1
+    if rank == 0:
+        from shmdist.transport import engine as eng
+        eng.Engine._help = lambda self: os._exit(3)
+        dist.send(pattern(n, 1), 1).wait()
+        return "sent"
+    into = np.zeros(n, np.uint8)
+    try:
+        dist.recv(into, 0).wait(timeout=30)
+        return "right" if np.array_equal(into, pattern(n, 1)) else "WRONG DATA"
+    except dist.DistPeerError as e:
+        return str(e)
+
+
+def test_a_sender_that_dies_with_an_offer_open_is_named_or_was_read(run_ranks):
+    """Either the receiver had read it all before the sender's memory went, or it names
+    the death; never wrong data, never a hang (the test's timeout is below the group's)."""
+    results = run_ranks(dying_sender, 2, timeout=40, errors="return")
+    assert results[0].exitcode == 3
+    got = results[1]
+    assert got == "right" or ("rank 0 died" in got and "recv from rank 0" in got), got
+
+
+def untouched_receiver(rank, world_size, init_method):
+    """Receive into np.empty buffers this process never touched, fresh each time."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    n, ok = (12 << 20) + 3, []
+    for k in range(4):
+        if rank == 0:
+            dist.send(pattern(n, k), 1).wait()
+        else:
+            into = np.empty(n, np.uint8)
+            dist.recv(into, 0).wait()
+            ok.append(bool(np.array_equal(into, pattern(n, k))))
+    copied = helped(1) if rank == 0 else 0
+    dist.destroy_process_group()
+    return ok, copied
+
+
+def test_receives_into_pages_never_touched_are_right(run_ranks):
+    """(Without _touch, chunks the sender wrote into such pages read back wrong here.)"""
+    (_, copied), (ok, _) = run_ranks(untouched_receiver, 2, timeout=60)
+    assert ok == [True] * 4 and copied > 0
