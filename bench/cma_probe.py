@@ -11,7 +11,7 @@ One way, the ring's two copies in parallel beat it from ~16 MiB up; both ways
 at once, each core has its own copy to make and one copy per byte halves the
 work. So shmdist uses it (transport/engine.py, "single copy") for messages of
 at least SHMDIST_SINGLE_COPY bytes that the ring cannot take whole at once,
-one way only those bigger than the ring (up to 4 MiB), and any size while a
+one way those bigger than the ring (or from 1 MiB inside a window), and any size while a
 receive from the peer is pending.
 """
 import ctypes
