@@ -23,6 +23,11 @@ cdef inline uint64_t *_hw(Ring ring, size_t at) noexcept nogil:
     return <uint64_t *>(<size_t>ring.head - SD_RING_HEAD + at)
 
 
+cdef inline uint64_t _chunks(uint64_t nbytes) noexcept nogil:
+    """The chunks an offer of a message of ``nbytes`` has."""
+    return (nbytes + SD_HELP_CHUNK - 1) // SD_HELP_CHUNK
+
+
 cdef inline void _help_done(uint64_t *done, uint64_t tag, uint64_t k) noexcept nogil:
     """Count ``k`` more chunks done in offer ``tag``; nothing if that offer is over (a copy
     that ended late must not count in the next one)."""
@@ -329,7 +334,7 @@ cdef class Ring:
         self.help_seq += 1
         tag = self.help_seq & LOW32
         self.help_t, self.help_dst, self.help_err = t, dst, 0
-        self.help_n = (nbytes + SD_HELP_CHUNK - 1) // SD_HELP_CHUNK
+        self.help_n = _chunks(nbytes)
         sd_store64(_hw(self, SD_RING_HELP_DST), dst)
         sd_store64(_hw(self, SD_RING_HELP_SRC), src)
         sd_store64(_hw(self, SD_RING_HELP_BYTES), nbytes)
@@ -387,7 +392,7 @@ cdef class Ring:
             return None
         w = sd_load64(_hw(self, SD_RING_HELP_NEXT))
         nbytes = sd_load64(_hw(self, SD_RING_HELP_BYTES))
-        if (w >> 32) != (seq & LOW32) or (w & LOW32) >= (nbytes + SD_HELP_CHUNK - 1) // SD_HELP_CHUNK:
+        if (w >> 32) != (seq & LOW32) or (w & LOW32) >= _chunks(nbytes):
             self.help_seq = seq
             return None
         return seq, sd_load64(_hw(self, SD_RING_HELP_SRC)), nbytes
@@ -402,7 +407,7 @@ cdef class Ring:
         if sd_load64(_hw(self, SD_RING_HELP_SRC)) != src or sd_load64(_hw(self, SD_RING_HELP_BYTES)) != nbytes:
             return 0
         with nogil:
-            err = _claim_copy(self, seq & LOW32, (nbytes + SD_HELP_CHUNK - 1) // SD_HELP_CHUNK,
+            err = _claim_copy(self, seq & LOW32, _chunks(nbytes),
                               pid, dst, src, nbytes, True)
         _ring_traffic(self.other_ctl)
         return err
