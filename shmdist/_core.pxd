@@ -2,7 +2,7 @@
 # it calls, then its classes, each field commented once. The layouts and codes it
 # shares with Python are in _layout.pxi, generated from layout.py.
 cimport cython
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
+from libc.stdint cimport uint8_t, uint16_t, int32_t, uint32_t, uint64_t, int64_t
 
 # static inline helpers of _atomics.h, all safe to call nogil
 
@@ -60,6 +60,7 @@ cdef class Ring:
     cdef int help_err           # consumer: the errno of one of its own chunks that failed
     cdef public int64_t help_min   # consumer: offer from this many bytes (0 never; -1 not known yet)
     cdef public uint64_t helped    # producer: chunks it copied into its consumer's memory, ever
+    cdef public uint64_t acks_seen # producer: single-copy records whose read completed their send here
     cdef int _settle_help(self, long spins) noexcept nogil
     cdef void _offer(self, uint64_t t, size_t dst, size_t src, uint64_t nbytes) noexcept
     cdef void _put(self, uint64_t at, const uint8_t *src, size_t n) noexcept nogil
@@ -107,6 +108,19 @@ cdef class Queues:
 
 
 @cython.final
+cdef class _Sent:
+    """_lane.pxi: a single-copy send the lane wrote, in the engine's awaiting queue
+    until its destination has read it (what the engine reads of an awaiting send:
+    req, dst, buf.addr, buf.nbytes)."""
+    cdef readonly DistributedRequest req
+    cdef readonly object arr       # the message's memory, kept alive until it was read
+    cdef readonly size_t addr
+    cdef readonly uint64_t nbytes
+    cdef readonly int dst
+    cdef readonly uint64_t target  # the destination's reads (Ring.acked) once it has read this one
+
+
+@cython.final
 cdef class _Pend:
     """_lane.pxi: a pending fast receive: where its message goes and what it must be."""
     cdef DistributedRequest req
@@ -136,12 +150,21 @@ cdef class Lane:
     cdef int64_t a_peer            # the peer _args parsed (for the flight recorder)
     cdef bytes a_dtype16
     cdef Backoff backoff
-    cdef int _header(self, uint8_t *hdr, Py_buffer *view, int64_t tag, bytes dtype16) except -1
+    cdef list single_at            # per global rank: smallest message sent it as a single copy (0 unknown, -1 none)
+    cdef uint64_t single_floor     # SHMDIST_SINGLE_COPY (0: off): below it no single copy is considered
+    cdef uint64_t pid
+    cdef object deque              # collections.deque, the type of the engine's awaiting queues
+    cdef int _header(self, uint8_t *hdr, Py_buffer *view, int64_t tag, bytes dtype16, int32_t flags) except -1
     cdef Ring _args(self, arr, peer, tag, list chans)
     cpdef object send(self, arr, dst, tag)
     cpdef object recv(self, arr, src, tag)
     cdef int _drain(self, DistributedRequest req) except -2
     cdef object _find(self, DistributedRequest req)
+    cdef bint _single(self, int dst, size_t addr, uint64_t nbytes) except -1
+    cdef bint _overlaps_sent(self, size_t addr, uint64_t nbytes)
+    cdef int _read_single(self, _Pend p) except -2
+    cdef bint _wait_sent(self, _Sent op, long spin) except -1
+    cdef void _complete_sent(self, int dst)
 
 
 @cython.final

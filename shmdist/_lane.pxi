@@ -1,6 +1,8 @@
 # Included by _core.pyx (the hub); its classes are declared in _core.pxd.
 # The fast lane: a small send or receive between two local ranks in one call.
 
+from collections import deque
+
 # ---------------------------------------------------------------- the fast lane
 
 cdef extern from "Python.h":
@@ -12,6 +14,12 @@ cdef extern from "Python.h":
 
 cdef enum:
     MAX_PENDING = 1024     # pending fast receives at most; more go the general way
+
+# One way (no receive from the destination pending here), a message the ring could take
+# goes as a single copy only from this size, while earlier ones are still being read
+# (transport/engine.py, which takes it from here: one rule for the lane and the engine).
+cdef uint64_t _one_way_single_min = 1 << 20
+ONE_WAY_SINGLE_MIN = _one_way_single_min
 
 
 cdef class Queues:
@@ -31,6 +39,24 @@ cdef class Queues:
 
 cdef class _Pend:
     """A pending fast receive: where its message goes and what it must be."""
+
+
+cdef class _Sent:
+    """A single-copy send the lane wrote (declared in _core.pxd)."""
+
+    @property
+    def buf(self):
+        """The message's memory as the engine reads an awaiting send's (addr, nbytes): this object."""
+        return self
+
+
+cdef inline bint _has_room(Ring ring, uint64_t total) noexcept:
+    """Producer: whether a record of ``total`` bytes fits in ``ring`` now."""
+    cdef uint64_t h = sd_load64(ring.head)
+    if ring.size - (h - ring.cached_tail) >= total:
+        return True
+    ring.cached_tail = sd_load64(ring.tail)
+    return ring.size - (h - ring.cached_tail) >= total
 
 
 cdef class Lane:
@@ -61,6 +87,10 @@ cdef class Lane:
         self.release = engine.lock.release
         self.q = <Queues?>engine.queues
         self.pend = []
+        self.single_at = [0] * size
+        self.single_floor = max(int(engine.single_min), 0)
+        self.pid = engine.pid
+        self.deque = deque
 
     @property
     def pending(self):
@@ -86,7 +116,7 @@ cdef class Lane:
                 return True
         return False
 
-    cdef int _header(self, uint8_t *hdr, Py_buffer *view, int64_t tag, bytes dtype16) except -1:
+    cdef int _header(self, uint8_t *hdr, Py_buffer *view, int64_t tag, bytes dtype16, int32_t flags) except -1:
         cdef int i
         cdef int64_t zero = 0, d
         cdef int32_t src = self.rank
@@ -100,6 +130,7 @@ cdef class Lane:
         memcpy(hdr + SD_HDR_TAG, &tag, 8)
         memcpy(hdr + SD_HDR_GID, &zero, 8)
         memcpy(hdr + SD_HDR_SRC, &src, 4)
+        memcpy(hdr + SD_HDR_FLAGS, &flags, 4)
         memcpy(hdr + SD_HDR_NBYTES, &nbytes, 8)
         memcpy(hdr + SD_HDR_DTYPE, PyBytes_AS_STRING(dtype16), SD_DTYPE_BYTES)
         for i in range(view.ndim):
@@ -133,57 +164,114 @@ cdef class Lane:
         return <Ring>r
 
     cpdef object send(self, arr, dst, tag):
-        """The completed request of a send written whole into its ring now, or None."""
+        """The request of a send written into its ring now: completed when the
+        message went whole, pending when it went as a single copy (its
+        destination reads it from here, _single says when); or None."""
         cdef Ring ring = None
         cdef int64_t t
+        cdef int d
         cdef bytes dtype16 = None
         cdef Py_buffer view
         cdef uint8_t hdr[SD_HEADER_BYTES]
-        cdef uint64_t total, free, h
+        cdef uint64_t total, meta[2]
         cdef DistributedRequest req
+        cdef _Sent op = None
         ring = self._args(arr, dst, tag, self.outs)
         if ring is None:
             return None
-        t, dtype16 = self.a_tag, self.a_dtype16
+        t, d, dtype16 = self.a_tag, <int>self.a_peer, self.a_dtype16
         try:
             PyObject_GetBuffer(arr, &view, PyBUF_C_CONTIGUOUS)
         except (BufferError, ValueError):
             return None         # not contiguous: the general path sends a contiguous copy
+        req = DistributedRequest.__new__(DistributedRequest)
+        req._engine = self.engine
+        req.op = self.send_ops[d]
+        req._peers = self.peers[d]
         try:
             if view.ndim > SD_MAX_DIMS:
                 return None
             total = _record(<uint64_t>view.len)
-            if total > ring.size:
-                return None
-            self._header(hdr, &view, t, dtype16)
             self.acquire()
             try:
                 if self.q.sendq:
                     return None
-                h = sd_load64(ring.head)
-                free = ring.size - (h - ring.cached_tail)
-                if free < total:
-                    ring.cached_tail = sd_load64(ring.tail)
-                    free = ring.size - (h - ring.cached_tail)
-                    if free < total:
+                if self.single_floor and <uint64_t>view.len >= self.single_floor and \
+                        self._single(d, <size_t>view.buf, <uint64_t>view.len):
+                    total = _record(sizeof(meta))
+                    if not _has_room(ring, total):
                         return None
-                if view.len < NOGIL_COPY:
-                    ring._push(hdr, <const uint8_t *>view.buf, view.len, 0, total)
+                    self._header(hdr, &view, t, dtype16, SD_HDR_SINGLE_COPY)
+                    meta[0], meta[1] = self.pid, <uint64_t><size_t>view.buf     # layout.SINGLE_COPY
+                    ring._push(hdr, <const uint8_t *>meta, sizeof(meta), 0, total)
+                    req._tseq = sd_tr_post(SD_TR_SEND, SD_TR_POSTED, 0, d, t, <uint64_t>view.len, 0,
+                                           PyBytes_AS_STRING(dtype16))  # trace: send, posted
+                    req._lane = self
+                    op = _Sent.__new__(_Sent)
+                    op.req, op.arr, op.addr, op.nbytes, op.dst = req, arr, <size_t>view.buf, <uint64_t>view.len, d
+                    q = self.q.awaiting.get(d)
+                    if q is None:
+                        q = self.q.awaiting[d] = self.deque()
+                    q.append(op)
+                    op.target = ring.acks_seen + len(q)
                 else:
-                    with nogil:
+                    if total > ring.size or not _has_room(ring, total):
+                        return None
+                    self._header(hdr, &view, t, dtype16, 0)
+                    if view.len < NOGIL_COPY:
                         ring._push(hdr, <const uint8_t *>view.buf, view.len, 0, total)
+                    else:
+                        with nogil:
+                            ring._push(hdr, <const uint8_t *>view.buf, view.len, 0, total)
+                    sd_tr_post(SD_TR_SEND, SD_TR_DONE, 0, d, t, <uint64_t>view.len, 0, PyBytes_AS_STRING(dtype16))  # trace: send, done
+                    req._done = True
             finally:
                 self.release()
         finally:
             PyBuffer_Release(&view)
         self.sends += 1
-        sd_tr_post(SD_TR_SEND, SD_TR_DONE, 0, self.a_peer, t, <uint64_t>view.len, 0, PyBytes_AS_STRING(dtype16))  # trace: send, done
-        req = DistributedRequest.__new__(DistributedRequest)
-        req._engine = self.engine
-        req.op = self.send_ops[dst]
-        req._peers = self.peers[dst]
-        req._done = True
         return req
+
+    cdef bint _single(self, int dst, size_t addr, uint64_t nbytes) except -1:
+        """Whether a send of ``nbytes`` at ``addr`` to ``dst`` goes as a single copy
+        (lock held), as the engine's send decides: a receive from ``dst`` is
+        pending here (both ways at once: each core then copies each byte once,
+        not twice), or, one way, it is of at least ONE_WAY_SINGLE_MIN bytes and
+        earlier single copies to ``dst`` are still being read; never when a
+        receive pending here may write into its memory before ``dst`` read it."""
+        cdef int64_t lim = self.single_at[dst]
+        cdef _Pend p
+        cdef bint receiving = False
+        if lim == 0:
+            lim = self.engine.lane_single_at(dst)
+            self.single_at[dst] = lim
+        if lim <= 0 or nbytes < <uint64_t>lim:
+            return False
+        if self.q.posted or self.q.unexpected:
+            return False        # the engine's receives: its send path checks them
+        for inc in self.q.rx.values():
+            if inc is not None:
+                return False
+        for p in self.pend:
+            if p.addr < addr + nbytes and addr < p.addr + p.nbytes:
+                return False
+            if p.src == dst:
+                receiving = True
+        if receiving:
+            return True
+        return nbytes >= _one_way_single_min and bool(self.q.awaiting.get(dst))
+
+    cdef bint _overlaps_sent(self, size_t addr, uint64_t nbytes):
+        """Whether a single-copy send still being read uses memory in [addr, addr + nbytes)."""
+        cdef size_t a
+        cdef uint64_t n
+        for q in self.q.awaiting.values():
+            for op in q:
+                b = op.buf
+                a, n = b.addr, b.nbytes
+                if a < addr + nbytes and addr < a + n:
+                    return True
+        return False
 
     cpdef object recv(self, arr, src, tag):
         """The request of a receive from ``src``: completed when its message
@@ -212,8 +300,6 @@ cdef class Lane:
         addr, total = <size_t>view.buf, _record(<uint64_t>view.len)
         nbytes = view.len
         PyBuffer_Release(&view)
-        if total > SLICE:       # bigger ones are copied out slice by slice as they arrive
-            return None
         isrc = src
         req = DistributedRequest.__new__(DistributedRequest)
         req._engine = self.engine
@@ -222,8 +308,10 @@ cdef class Lane:
         req.tensors = [arr]
         self.acquire()
         try:
-            if self.q.posted or self.q.unexpected or self.q.rx[isrc] is not None or self.q.awaiting:
-                return None     # (a single-copy send may be read from this very buffer: the engine checks)
+            if self.q.posted or self.q.unexpected or self.q.rx[isrc] is not None:
+                return None
+            if self.q.awaiting and self._overlaps_sent(addr, nbytes):
+                return None     # a single-copy send is read from this very memory: the engine waits for it
             ahead = False
             for p in self.pend:
                 if p.src == isrc:
@@ -231,8 +319,9 @@ cdef class Lane:
                     break
             if not ahead:       # the next record from src is this receive's
                 got = ring._take(t, 0, addr, nbytes, PyBytes_AS_STRING(dtype16))
-                if got == SD_OTHER_RECORD:
+                if got == SD_OTHER_RECORD and not _single_copy_at(ring, sd_load64(ring.tail)):
                     return None     # another record first: the general path (after the pending ones)
+                # (a single copy is read in the wait, not here: see Engine.progress, "Without single")
                 if got == SD_DONE:
                     self.recvs += 1
                     sd_tr_post(SD_TR_RECV, SD_TR_DONE, 0, isrc, t, nbytes, 0, PyBytes_AS_STRING(dtype16))  # trace: recv, done
@@ -297,6 +386,8 @@ cdef class Lane:
                 continue
             got = p.ring._take(p.tag, 0, p.addr, p.nbytes, PyBytes_AS_STRING(p.dtype16))
             if got == SD_OTHER_RECORD:
+                got = self._read_single(p)
+            if got == SD_OTHER_RECORD:
                 self.settle()
                 return SD_OTHER_RECORD
             if got == SD_NOT_YET:
@@ -314,11 +405,24 @@ cdef class Lane:
                 return SD_DONE
         return SD_DONE if req is not None and req._done else SD_NOT_YET
 
+    cdef int _read_single(self, _Pend p) except -2:
+        """A pending receive's next record is not a ring copy of its message:
+        read it when it is a single copy of it (DONE; NOT_YET while its producer
+        still copies a chunk of it), else OTHER_RECORD (lock held)."""
+        cdef int got
+        if not _single_copy_at(p.ring, sd_load64(p.ring.tail)):
+            return SD_OTHER_RECORD
+        if p.ring.help_min < 0:
+            p.ring.help_min = self.engine._help_min(p.src)
+        got = p.ring._take_single(p.tag, 0, p.addr, p.nbytes, PyBytes_AS_STRING(p.dtype16))
+        return SD_NOT_YET if got == SD_HELPING else got
+
     def wait_pending(self, DistributedRequest req, long spin):
         """Spin up to ``spin`` pauses (-1: as the engine's backoff says) for
         ``req``, a pending fast receive, on its ring alone while nothing
         else is pending, completing the pending receives ahead of it as
-        their records come. True when it completed; else every pending
+        their records come; or for ``req``, a single-copy send of the lane's,
+        until its destination has read it. True when it completed; else every pending
         receive is posted to the engine, which waits for it."""
         cdef _Pend p, mine, first = None
         cdef uint64_t total, t, h
@@ -328,6 +432,17 @@ cdef class Lane:
             return True
         if spin < 0:
             spin = self.backoff.spin
+        op = None
+        self.acquire()
+        try:
+            if not self.holds(req):
+                op = self._sent_op(req)
+                if op is None:
+                    return req._done
+        finally:
+            self.release()
+        if op is not None:
+            return self._wait_sent(<_Sent>op, spin)
         self.acquire()
         try:
             if not self.holds(req):
@@ -350,8 +465,8 @@ cdef class Lane:
                     h = sd_load64(first.ring.head) - t
                     if h >= total:
                         break
-                    if h >= SD_HEADER_BYTES and _single_copy_at(first.ring, t):
-                        break       # a single-copy record: shorter than the message, the engine's
+                    if h >= SD_HEADER_BYTES and (total > first.ring.size or _single_copy_at(first.ring, t)):
+                        break       # a single copy (read at once), or a ring record too big to come whole
                     sd_relax()
         self.acquire()
         try:
@@ -364,6 +479,87 @@ cdef class Lane:
         finally:
             self.release()
         return False
+
+    def _sent_op(self, DistributedRequest req):
+        """The lane's single-copy send whose request ``req`` is, while it is
+        being read, else None (lock held)."""
+        peers = req._peers
+        if len(peers) != 1:
+            return None
+        q = self.q.awaiting.get(peers[0])
+        if q is None:
+            return None
+        for op in q:
+            if isinstance(op, _Sent) and (<_Sent>op).req is req:
+                return op
+        return None
+
+    cdef bint _wait_sent(self, _Sent op, long spin) except -1:
+        """Spin up to ``spin`` pauses until ``op``'s destination has read it.
+        Meanwhile complete the pending fast receives whose messages come (the
+        destination may itself be waiting for this rank to read its single
+        copies: both ways at once, each waits on its sends first), and copy
+        the chunks of it the destination offers to share (the engine's _help).
+        True when its request completed; the engine waits for the rest (at once
+        when it has receives of its own to move)."""
+        cdef Ring ring = <Ring>self.outs[op.dst]
+        cdef Ring inring = None
+        cdef uint64_t *acked = <uint64_t *>(<size_t>ring.head - SD_RING_HEAD + SD_RING_ACKED)
+        cdef uint64_t *seq = _hw(ring, SD_RING_HELP_SEQ)
+        cdef uint64_t target = op.target, offers = sd_load64(seq), head = 0
+        cdef long i = 0
+        cdef bint woke
+        while True:
+            self.acquire()
+            try:
+                if self.q.posted or self.q.unexpected or any(inc is not None for inc in self.q.rx.values()):
+                    break       # the engine's receives: its wait moves them
+                if self.pend and self._drain(None) == SD_OTHER_RECORD:
+                    break       # (they went to the engine)
+                inring = (<_Pend>self.pend[0]).ring if self.pend else None
+                if inring is not None:
+                    head = sd_load64(inring.head)
+                if sd_load64(seq) != offers:
+                    offers = sd_load64(seq)
+                    self.engine._help()
+            finally:
+                self.release()
+            woke = False
+            with nogil:
+                while i < spin and sd_load64(acked) < target:
+                    if sd_load64(seq) != offers or (inring is not None and sd_load64(inring.head) != head):
+                        woke = True     # an offer to share its reading, or a message for a pending receive
+                        break
+                    sd_relax()
+                    i += 1
+            if not woke:
+                break
+        self.acquire()
+        try:
+            self._complete_sent(op.dst)
+        finally:
+            self.release()
+        return op.req._done
+
+    cdef void _complete_sent(self, int dst):
+        """Complete, in order, the single-copy sends to ``dst`` it has read (lock held)."""
+        cdef Ring ring = <Ring>self.outs[dst]
+        cdef uint64_t acked
+        q = self.q.awaiting.get(dst)
+        if q is None:
+            return
+        acked = sd_load64(<uint64_t *>(<size_t>ring.head - SD_RING_HEAD + SD_RING_ACKED))
+        while q and ring.acks_seen < acked:
+            (<DistributedRequest>q.popleft().req)._complete()
+            ring.acks_seen += 1
+        if not q:
+            del self.q.awaiting[dst]
+
+    def complete_sent(self):
+        """Complete the single-copy sends (the engine's and the lane's) their
+        destinations have read (lock held)."""
+        for dst in list(self.q.awaiting):
+            self._complete_sent(dst)
 
     cdef object _find(self, DistributedRequest req):
         cdef _Pend p

@@ -174,7 +174,9 @@ def _mark_forked() -> None:
         _world.forked = True
         if _world.engine is not None:   # requests the parent made wait here no more
             _world.engine.forked = _forked_why(_world)
-            for req in _world.engine.lane.pending_requests():
+            queues = _world.engine.queues
+            for req in _world.engine.lane.pending_requests() + [
+                    op.req for q in queues.awaiting.values() for op in q]:   # (the lane's single copies)
                 if req is not None:
                     req._lane = None
 

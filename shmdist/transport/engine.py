@@ -70,7 +70,7 @@ LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are 
 # 1.31-1.59; interleaved benchmark, 2026-12-05). Its reading is shared with the sender from
 # HELP_MIN bytes (two chunks), so each core copies about half: one way at 16 MiB 20-28 GB/s
 # against 14-15 through the ring, where one process_vm_readv moves 10 (bench/cma_probe.py).
-ONE_WAY_SINGLE_MIN = 1 << 20
+ONE_WAY_SINGLE_MIN = _core.ONE_WAY_SINGLE_MIN    # (the fast lane, _lane.pxi, decides by it too)
 HELP_MIN = 512 << 10
 COLLECTIVE_GID = 1 << 40  # group ids at and above it carry collectives' own messages
 
@@ -160,7 +160,6 @@ class Engine:
         self.single_min = settings.get("SHMDIST_SINGLE_COPY")
         self.single_by = {r: t for t in transports if hasattr(t, "single_copy_to") for r in t.out}
         self.single = {}                  # local peer -> smallest message it reads itself (once known)
-        self.acked = {}                   # local peer -> single-copy records it has read, as seen here
         self.pid = os.getpid()
         self.chan_in = list(chan_in.items())   # (global rank, channel we consume)
         # sendq {dst: deque of _Send}, posted [_Recv], rx {src: _Incoming or None}, unexpected
@@ -457,6 +456,16 @@ class Engine:
             if pid and self.single_by[dst].reads(dst):
                 chan.help(pid, seq, src, nbytes)   # (a failed copy: the reader reads it all again)
 
+    def lane_single_at(self, dst: int) -> int:
+        """For the fast lane: the smallest message to ``dst`` that may go as a
+        single copy; 0 while not known yet, -1 when none may."""
+        if dst not in self.single_by or self.single_min <= 0:
+            return -1
+        limit = self._single_limit(dst)
+        if limit == float("inf"):
+            return -1 if dst in self.single else 0
+        return int(limit)
+
     def _help_min(self, src: int) -> int:
         """The smallest single copy from ``src`` whose reading this rank offers
         to share with it: 0 when ``src`` may not write into this rank's
@@ -469,17 +478,7 @@ class Engine:
 
     def _acked(self) -> None:
         """Complete the single-copy sends their destinations have read (lock held)."""
-        awaiting = self.queues.awaiting
-        for dst in list(awaiting):
-            q = awaiting[dst]
-            acked = self.chan_out[dst].acked()
-            seen = self.acked.get(dst, 0)
-            while q and seen < acked:
-                q.popleft().req._complete()
-                seen += 1
-            self.acked[dst] = seen
-            if not q:
-                del awaiting[dst]
+        self.lane.complete_sent()
 
     def _read_single(self, chan, inc: _Incoming) -> bool:
         """Read a single copy's message from the sender's memory into its
@@ -605,7 +604,7 @@ class Engine:
             self.waiting.discard(me)
 
     def _wait_for(self, req, timeout: float | None) -> None:
-        if req._lane is not None and self.lane.holds(req) and self.lane.wait_pending(req, self.backoff.spin):
+        if req._lane is not None and self.lane.wait_pending(req, self.backoff.spin):
             return
         trace.waiting(req)   # trace: blocked from here on
         limit = self.timeout if timeout is None else float(timeout)
