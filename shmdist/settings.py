@@ -58,11 +58,12 @@ SETTINGS = {s.name: s for s in (
     Setting("SHMDIST_STREAM_BYTES", None, _int,
             "payloads at least this big are received with streaming stores; 0 never (default: half "
             "the last-level cache, at least 8 MiB)"),
-    Setting("SHMDIST_SINGLE_COPY", 256 << 10, _int,
-            "a message to a local rank at least this big that the ring cannot take whole at once, while "
-            "a receive from that rank is pending (or, one way, bigger than the ring) moves in one copy: "
-            "the receiver reads it from the sender's memory (process_vm_readv) where it may; 0 never "
-            "(engine.py)"),
+    Setting("SHMDIST_SINGLE_COPY", 64 << 10, _int,
+            "a message to a local rank at least this big moves in one copy while a receive from that rank "
+            "is pending (both ways at once; or, one way, when bigger than the ring or from 1 MiB behind "
+            "other single copies): the receiver reads it from the sender's memory (process_vm_readv) "
+            "where it may; two-member broadcast and all_reduce copy between the arrays from this size, "
+            "at least 256 KiB; 0 never (engine.py, _lane.pxi, comm/arena.py)"),
     Setting("SHMDIST_ARENA_BYTES", 1 << 20, _multiple_of_page("SHMDIST_ARENA_BYTES"),
             "bytes of each of the two buffers per member in a group's collective arena"),
     Setting("SHMDIST_ROUND_BYTES", 512 << 10, _multiple_of_page("SHMDIST_ROUND_BYTES"),

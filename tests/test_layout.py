@@ -58,6 +58,8 @@ class _FakeEngine:
         self.backoff = _core.Backoff(0, 0)
         self.lock = threading.RLock()
         self.queues = _core.Queues([0, 1])
+        self.single_min = 0         # no single copies: every send goes into the ring
+        self.pid = os.getpid()
 
 
 def _ring_pair(mem, size=1 << 16):

@@ -85,6 +85,7 @@ def open_group(world, key: str, ranks) -> "GroupComm":
     slot = slot_bytes()
     rounds = settings.get(ROUND_ENV)   # the creator's settings hold for every member
     single = settings.get("SHMDIST_SINGLE_COPY")
+    single = max(single, PAIR_SPLIT_MIN) if single > 0 else 0
     if n > len(os.sched_getaffinity(0)):   # see BUSY_SLOT_BYTES; a setting in the environment still wins
         slot, rounds = settings.get(SLOT_ENV, BUSY_SLOT_BYTES), settings.get(ROUND_ENV, BUSY_ROUND_BYTES)
     ctl_at = segment.HEADER_BYTES
@@ -99,6 +100,13 @@ def open_group(world, key: str, ranks) -> "GroupComm":
     seg = segment.share(world.store, f"arena/{key}/{members}", n, creator, size if creator else 0, who,
                         world.timeout, init=lambda s: _params(s.mm, slot, rounds, single))
     return GroupComm(world, ranks, seg)
+
+
+# Two members copy straight between their arrays from SHMDIST_SINGLE_COPY bytes, but never
+# below this: a broadcast of 64-128 KiB took 23-26 us that way against 14-19 us through the
+# arena (two interleaved benchmark runs, 2026-12-05), where point-to-point both ways at once
+# gains from 64 KiB (the setting's default).
+PAIR_SPLIT_MIN = 256 << 10
 
 
 def _split_half(nbytes: int) -> int:
@@ -358,8 +366,8 @@ class GroupComm:
 
     def _splits(self, nbytes: int) -> bool:
         """Whether a call moving ``nbytes`` may go as single copies between
-        two members (process_vm_readv/writev): from SHMDIST_SINGLE_COPY bytes
-        up (the creator's, layout.PAIR_SINGLE), unless the pair found it cannot: nothing
+        two members (process_vm_readv/writev): from SHMDIST_SINGLE_COPY bytes, at
+        least PAIR_SPLIT_MIN, up (the creator's, layout.PAIR_SINGLE), unless the pair found it cannot: nothing
         either member decides alone, so both take the same way."""
         return self.n == 2 and self.split is not False and nbytes >= self.split_min > 0
 

@@ -16,10 +16,10 @@ every wait moves all pending operations forward, so two ranks that both
 send before they receive do not deadlock.
 
 Single copy: a message of at least SHMDIST_SINGLE_COPY bytes to a local
-peer that the ring cannot take whole now (it would wait for room anyway),
-while a receive from that peer is pending here (both ways at once) or, one
+peer, while a receive from that peer is pending here (both ways at once) or, one
 way, when it is bigger than the ring or (from ONE_WAY_SINGLE_MIN) follows
-others still on their way, goes as a small record instead, flagged HDR_SINGLE_COPY, whose payload is
+others still on their way, goes as a small record instead (the fast lane,
+_lane.pxi, decides the same way for the sends it takes), flagged HDR_SINGLE_COPY, whose payload is
 SINGLE_COPY (this process's pid, the message's address). The receiver reads
 the message from here with process_vm_readv, straight into its buffer (or,
 unasked for, into a private one, so the sender is never held up), then
@@ -186,7 +186,6 @@ class Engine:
             sendq = self.queues.sendq
             q = sendq.get(dst)
             if buf.nbytes >= self.single_min > 0 and dst in self.single_by and \
-                    (q or chan.room() < _core.record_bytes(buf.nbytes)) and \
                     (self._receiving_from(dst) or self.single_by[dst].ring_bytes < _core.record_bytes(buf.nbytes)
                      or buf.nbytes >= ONE_WAY_SINGLE_MIN and (q or self.queues.awaiting.get(dst))) and \
                     buf.nbytes >= self._single_limit(dst) and not self._written(buf):
