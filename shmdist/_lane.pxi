@@ -439,24 +439,19 @@ cdef class Lane:
                 op = self._sent_op(req)
                 if op is None:
                     return req._done
+            else:
+                how = self._drain(req)
+                if how != SD_NOT_YET:
+                    return how == SD_DONE
+                mine = <_Pend>self._find(req)
+                for p in self.pend:         # the first receive from req's source waits for the ring's next record
+                    if p.src == mine.src:
+                        first = p
+                        break
         finally:
             self.release()
         if op is not None:
             return self._wait_sent(<_Sent>op, spin)
-        self.acquire()
-        try:
-            if not self.holds(req):
-                return req._done
-            how = self._drain(req)
-            if how != SD_NOT_YET:
-                return how == SD_DONE
-            mine = <_Pend>self._find(req)
-            for p in self.pend:         # the first receive from req's source waits for the ring's next record
-                if p.src == mine.src:
-                    first = p
-                    break
-        finally:
-            self.release()
         if not self.q.sendq:
             total = _record(first.nbytes)
             t = sd_load64(first.ring.tail)
