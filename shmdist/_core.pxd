@@ -183,6 +183,9 @@ cdef class Phaser:
     cdef dict kinds                      # numpy dtype -> (reduce_rows kind, its name) for all_reduce
     cdef object last_dtype, last_op, last_name, last_plan   # plan()'s last answer, by identity
     cdef uint64_t all_reduce_index
+    cdef public uint64_t broadcast_index  # layout.KINDS' index of "broadcast" (0 until set: no quick broadcast)
+    cdef public list root_ranks          # the members' global ranks, as a broadcast descriptor names its root
+    cdef int _bcast(self, const char *desc, size_t nd, void *data, size_t nbytes, int root) except -4
     cdef public int64_t trace_gid        # the group id its calls are recorded under (-1: not recorded)
     cdef public uint64_t tseq            # the flight-recorder entry of its last call
     cdef int _enter(self, const char *desc, size_t nd) except -2

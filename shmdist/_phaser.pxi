@@ -133,6 +133,63 @@ cdef class Phaser:
             self.release()
         return how
 
+    cdef int _bcast(self, const char *desc, size_t nd, void *data, size_t nbytes, int root) except -4:
+        """One broadcast of a single round under the group's lock: the root's
+        data into its buffer, the phase, and once every member is there the
+        others copy it out. As _call for what it returns and leaves held."""
+        cdef int how
+        cdef size_t src
+        self.acquire()
+        if self.broken is not None:
+            self.release()
+            return SD_BROKEN
+        try:
+            src = self.bufs + (2 * root + self.phase % 2) * self.slot
+            if root == self.me:
+                memcpy(<void *>src, data, nbytes)
+            how = self._enter(desc, nd)
+            if how > 0 and root != self.me:
+                if nbytes < NOGIL_COPY:
+                    memcpy(data, <const void *>src, nbytes)
+                else:
+                    with nogil:
+                        memcpy(data, <const void *>src, nbytes)
+        except BaseException:
+            self.release()
+            raise
+        if how > 0:
+            self.release()
+        return how
+
+    def broadcast(self, arr, int root, size_t most, bytes name):
+        """A whole broadcast of a C-contiguous numpy array of at most ``most``
+        bytes (one round) from member ``root`` (writable on the others),
+        ``name`` its dtype's name in a descriptor: DONE_SPINNING or DONE when
+        done. NOT_TAKEN: it does not qualify, nothing done; BROKEN, NOT_YET
+        and DIFFER as for _call, the root's data already in its buffer of
+        parity (phase - 1) % 2, from which the caller finishes. The descriptor
+        is the one layout.pack_desc packs for it (root: the global rank ``groot``
+        the Python path names, set in ``root_ranks``)."""
+        cdef Py_buffer view
+        cdef uint64_t desc[SD_DESC_WORDS]
+        if root < 0 or root >= self.n or self.broadcast_index == 0:
+            return SD_NOT_TAKEN
+        try:
+            PyObject_GetBuffer(arr, &view, PyBUF_C_CONTIGUOUS | (0 if root == self.me else PyBUF_WRITABLE))
+        except (BufferError, ValueError):
+            return SD_NOT_TAKEN
+        try:
+            if <size_t>view.len > most or len(name) > SD_DTYPE_BYTES:
+                return SD_NOT_TAKEN
+            memset(desc, 0, sizeof(desc))      # layout.DESC: 0, kind, bytes, op, root, dtype, extra
+            desc[SD_DESC_KIND // 8] = self.broadcast_index
+            desc[SD_DESC_NBYTES // 8] = view.len
+            desc[SD_DESC_ROOT // 8] = <uint64_t>(<int64_t>self.root_ranks[root])
+            memcpy(<char *>desc + SD_DESC_DTYPE, PyBytes_AS_STRING(name), len(name))
+            return self._bcast(<const char *>desc, sizeof(desc), view.buf, view.len, root)
+        finally:
+            PyBuffer_Release(&view)
+
     def barrier(self):
         """A whole barrier: DONE_SPINNING or DONE when passed; BROKEN, NOT_YET
         and DIFFER as for _call."""

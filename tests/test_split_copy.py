@@ -3,7 +3,7 @@ straight between the two processes' arrays (comm/arena.py, "two members,
 single copies"): broadcast's root writes the first half into the other's
 array while the other reads the second half; all_reduce's members each
 reduce half of the elements, reading the other's chunk and writing the
-result back. From SHMDIST_SINGLE_COPY bytes, at least 256 KiB (all_reduce: above its
+result back. From SHMDIST_SINGLE_COPY bytes, at least 1 MiB (all_reduce: above its
 one-phase size too), only where the probe at init let each reach the
 other's memory.
 
@@ -24,7 +24,7 @@ import pytest
 import shmdist as dist
 from test_collectives import HAVE_TORCH, Case, assert_all_good, available, run_cases
 
-THRESHOLD = 256 << 10      # arena.PAIR_SPLIT_MIN: SHMDIST_SINGLE_COPY below it counts as it
+THRESHOLD = 1 << 20        # arena.PAIR_SPLIT_MIN: SHMDIST_SINGLE_COPY below it counts as it
 ENV = {"SHMDIST_SINGLE_COPY": str(64 << 10)}
 PAIR_SMALL = 512 << 10      # arena.SMALL_ALLREDUCE_PAIR: all_reduce up to this stays one phase
 CHUNK = 256 << 10           # arena.SPLIT_CHUNK

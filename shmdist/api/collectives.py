@@ -168,6 +168,13 @@ _core.entry_fallbacks(np.ndarray, _g._send_py, _g._send_general, _g._recv_py, _g
 
 def broadcast(tensor, src: int, group=None, async_op=False):
     """Copy ``tensor`` of global rank ``src`` into ``tensor`` of every rank."""
+    if group is None and _fast.lane is not None and src.__class__ is int and \
+            not (_shared.live and getattr(tensor, "nbytes", 0) > _shared.IN_PLACE_MIN):
+        arr = tensor if tensor.__class__ is np.ndarray else _fast.array(tensor, True)   # bfloat16: its bits
+        coll = _fast.coll
+        if arr is not None and hasattr(coll, "quick_broadcast") and \
+                coll.quick_broadcast(arr, src, _fast.world.timeout, "bfloat16" if arr.dtype is BF16_BITS else None):
+            return completed("broadcast", [tensor]) if async_op else None
     w, g, comm = _enter("broadcast", group)
     if comm is None:
         return None

@@ -103,10 +103,11 @@ def open_group(world, key: str, ranks) -> "GroupComm":
 
 
 # Two members copy straight between their arrays from SHMDIST_SINGLE_COPY bytes, but never
-# below this: a broadcast of 64-128 KiB took 23-26 us that way against 14-19 us through the
-# arena (two interleaved benchmark runs, 2026-12-05), where point-to-point both ways at once
-# gains from 64 KiB (the setting's default).
-PAIR_SPLIT_MIN = 256 << 10
+# below this (it only moves broadcast: all_reduce splits above its one-phase 512 KiB anyway).
+# Through the arena in one C call (quick_broadcast), 256 KiB took 21 us against 40 as split
+# copies, 512 KiB 38 against 51; at 1 MiB the split copies won, 78 against 89 (interleaved
+# benchmark runs, 2026-12-05), where point-to-point both ways at once gains from 64 KiB.
+PAIR_SPLIT_MIN = 1 << 20
 
 
 def _split_half(nbytes: int) -> int:
@@ -179,6 +180,8 @@ class GroupComm:
         self.ph = _core.Phaser(self.ctl[0], CTL_STRIDE, self.n, self.me, self.others, self.my_bell,
                                self.backoff, self.lock, _BARRIER, self.buffers[0][0], self.slot,
                                _PHASER_KINDS, KINDS.index("all_reduce"))
+        self.ph.broadcast_index, self.ph.root_ranks = KINDS.index("broadcast"), list(ranks)
+        self.last_bdtype, self.last_bname = None, b""   # quick_broadcast's last dtype and its name
 
     @property
     def phase(self) -> int:
@@ -489,6 +492,40 @@ class GroupComm:
         if how == BROKEN or how == NOT_TAKEN:
             return False
         self._finish_quick_all_reduce(arr, op, timeout, dtype_name, how)
+        return True
+
+    def quick_broadcast(self, arr: np.ndarray, root: int, timeout: float, dtype_name: str | None = None) -> bool:
+        """broadcast of a C-contiguous numpy array that fits one round, from
+        member ``root``, in one C call when the others are already there: what
+        broadcast below does for it, with less Python around. False, having
+        done nothing, when it does not apply (too big, two members that copy
+        between their arrays, an array numpy cannot name as the general path
+        does). ``dtype_name``: "bfloat16" for a uint16 array of bfloat16 bits."""
+        if not 0 <= root < self.n or self.ranks[root] != root or self._splits(arr.nbytes):
+            return False        # (the default group, where a global rank is its member index)
+        if dtype_name is not None:
+            name = dtype_name.encode()
+        elif arr.dtype is self.last_bdtype:
+            name = self.last_bname
+        else:
+            if not arr.dtype.isnative or arr.dtype.hasobject or arr.dtype.fields is not None \
+                    or arr.dtype.subdtype is not None:
+                return False
+            name = arr.dtype.name.encode()
+            self.last_bdtype, self.last_bname = arr.dtype, name
+        how = self.ph.broadcast(arr, root, self.slot, name)
+        if how > 0:                       # DONE or DONE_SPINNING
+            return True
+        if how == BROKEN or how == NOT_TAKEN:
+            return False
+        what = lambda: f"broadcast(src={self.ranks[root]}, {describe(arr.nbytes, arr.dtype.name, arr.shape)})"
+        try:                              # the Phaser left the lock held
+            if how == DIFFER or self._finish_pass(what, timeout, True) == DIFFER:
+                self._mismatch(what)
+            if self.me != root:
+                _core.copy(arr.ctypes.data, self._buf(root, (self.phase - 1) % 2), arr.nbytes)
+        finally:
+            self.lock.release()
         return True
 
     def _finish_quick_all_reduce(self, arr: np.ndarray, op: ReduceOp, timeout: float,
