@@ -49,11 +49,17 @@ def teach_the_lane(peer: int) -> None:
         q.wait()
 
 
+def start(rank: int, world_size: int, init_method: str, timeout: float = 60) -> None:
+    """Join, wait until the peer has probed that it may read this rank (init's
+    last step), and teach the lane uint8."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=timeout)
+    dist.barrier()
+    teach_the_lane(1 - rank)
+
+
 def window_both_ways(rank, world_size, init_method, sizes, window, torch_tensors):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
-    dist.barrier()      # the peer has probed that it may read this rank (init's last step)
+    start(rank, world_size, init_method)
     peer = 1 - rank
-    teach_the_lane(peer)
     bad, took = [], []
     for i, n in enumerate(sizes):
         outs = [pattern(n, 1000 * i + 10 * k + rank) for k in range(window)]
@@ -103,9 +109,7 @@ def test_below_the_threshold_or_with_the_knob_off_the_ring_carries_them(run_rank
 def receive_into_memory_being_read(rank, world_size, init_method):
     """Rank 0 sends ``buf`` as a single copy, then at once posts a receive into
     that same memory: the receive must not land before rank 1 read the send."""
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
-    dist.barrier()
-    teach_the_lane(1 - rank)
+    start(rank, world_size, init_method)
     n = MiB
     if rank == 0:
         buf = pattern(n, 1)
@@ -145,9 +149,7 @@ def send_from_memory_a_receive_writes(rank, world_size, init_method):
     """Rank 0 posts a receive into ``buf`` and then sends ``buf``: the send may
     not be read later than now (the receive may overwrite it first), so it
     goes through the ring and carries ``buf`` as it was when sent."""
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
-    dist.barrier()
-    teach_the_lane(1 - rank)
+    start(rank, world_size, init_method)
     n = MiB
     if rank == 0:
         buf = pattern(n, 1)
@@ -179,9 +181,7 @@ def timed_out_then_finished(rank, world_size, init_method):
     """A single-copy send whose destination does not read it yet: wait(timeout)
     raises DistTimeoutError saying it stays pending; the next wait, once the
     destination read it, completes, and the bytes are exact."""
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
-    dist.barrier()
-    teach_the_lane(1 - rank)
+    start(rank, world_size, init_method)
     n = MiB
     if rank == 0:
         answer = dist.irecv(np.zeros(8, np.uint8), 1)
@@ -215,9 +215,7 @@ def test_a_timed_out_wait_on_a_single_copy_stays_pending_and_finishes_later(run_
 def receiver_killed(rank, world_size, init_method):
     """Rank 0 waits on a lane single copy; rank 1 is killed before reading it:
     the wait fails naming rank 1, promptly."""
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
-    dist.barrier()
-    teach_the_lane(1 - rank)
+    start(rank, world_size, init_method)
     if rank == 1:
         dist.barrier()          # (a barrier moves no message: the single copy stays unread)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -241,9 +239,7 @@ def test_the_receiver_killed_while_the_sender_waits_is_named(run_ranks):
 
 
 def destroy_with_one_pending(rank, world_size, init_method):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=30)
-    dist.barrier()
-    teach_the_lane(1 - rank)
+    start(rank, world_size, init_method, 30)
     if rank == 0:
         dist.irecv(np.zeros(8, np.uint8), 1)
         sent = dist.isend(pattern(MiB, 3), 1)
@@ -270,9 +266,7 @@ def one_way_window(rank, world_size, init_method, count):
     behind it; rank 0 waits on the last one first, in the lane's spin (long
     enough, SHMDIST_SPIN, that the engine's wait never runs), copying chunks of
     the reads rank 1 offers to share."""
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
-    dist.barrier()
-    teach_the_lane(1 - rank)
+    start(rank, world_size, init_method)
     sizes = [9 * MiB] + [6 * MiB] * count
     if rank == 0:
         engine = _engine()
