@@ -3,6 +3,10 @@
 
 # ---------------------------------------------------------------- waiting policy and collective phases
 
+cdef enum:
+    GIL_SPIN = 64       # pauses a member spins for the others with the GIL held, before releasing it
+
+
 cdef class Phaser:
     """The phases of one group's arena, as seen by one member: its counters
     (``phase``: phases entered; ``calls``: collectives started), entering a
@@ -72,18 +76,24 @@ cdef class Phaser:
                     or sd_load32(_u32(<size_t>self.others[i] + SD_CTL_SLEEPING))):
                 sd_add32(_u32(<size_t>self.others[i] + SD_CTL_BELL), 1)
                 sd_futex_wake(_u32(<size_t>self.others[i] + SD_CTL_BELL), 0x7fffffff)
-        with nogil:
-            for k in range(spin):
-                if _all_reached(f, self.stride, n, target):
-                    done = SD_DONE_SPINNING
-                    break
-                sd_relax()
-            if not done:
-                for k in range(yields):
+        for k in range(min(spin, GIL_SPIN)):     # most waits end here: no GIL handover around them
+            if _all_reached(f, self.stride, n, target):
+                done = SD_DONE_SPINNING
+                break
+            sd_relax()
+        if not done:
+            with nogil:
+                for k in range(spin):
                     if _all_reached(f, self.stride, n, target):
-                        done = SD_DONE
+                        done = SD_DONE_SPINNING
                         break
-                    sd_yield()
+                    sd_relax()
+                if not done:
+                    for k in range(yields):
+                        if _all_reached(f, self.stride, n, target):
+                            done = SD_DONE
+                            break
+                        sd_yield()
         if done != SD_DONE_SPINNING or self.backoff.spin < self.backoff.most:
             self.backoff.update(done or SD_DONE)    # not caught while spinning: spin less next time
         if done and nd:
