@@ -164,6 +164,7 @@ cdef class Lane:
     cdef bint _overlaps_sent(self, size_t addr, uint64_t nbytes)
     cdef int _read_single(self, _Pend p) except -2
     cdef bint _wait_sent(self, _Sent op, long spin) except -1
+    cdef bint _engine_receiving(self)
     cdef void _complete_sent(self, int dst)
 
 
@@ -183,13 +184,11 @@ cdef class Phaser:
     cdef dict kinds                      # numpy dtype -> (reduce_rows kind, its name) for all_reduce
     cdef object last_dtype, last_op, last_name, last_plan   # plan()'s last answer, by identity
     cdef uint64_t all_reduce_index
-    cdef public uint64_t broadcast_index  # layout.KINDS' index of "broadcast" (0 until set: no quick broadcast)
-    cdef public list root_ranks          # the members' global ranks, as a broadcast descriptor names its root
-    cdef int _bcast(self, const char *desc, size_t nd, void *data, size_t nbytes, int root) except -4
+    cdef uint64_t broadcast_index        # layout.KINDS' index of "broadcast" (0: not given, no one-call broadcast)
     cdef public int64_t trace_gid        # the group id its calls are recorded under (-1: not recorded)
     cdef public uint64_t tseq            # the flight-recorder entry of its last call
     cdef int _enter(self, const char *desc, size_t nd) except -2
     cdef int _call(self, const char *desc, size_t nd, void *data, size_t nbytes, int kind,
-                   int op) except -4
+                   int op, int root=*) except -4
     cpdef object plan(self, dtype, op, name=*)
     cdef object _plan(self, dtype, op, name)

@@ -247,11 +247,8 @@ cdef class Lane:
             self.single_at[dst] = lim
         if lim <= 0 or nbytes < <uint64_t>lim:
             return False
-        if self.q.posted or self.q.unexpected:
-            return False        # the engine's receives: its send path checks them
-        for inc in self.q.rx.values():
-            if inc is not None:
-                return False
+        if self._engine_receiving():
+            return False        # its send path checks them
         for p in self.pend:
             if p.addr < addr + nbytes and addr < p.addr + p.nbytes:
                 return False
@@ -260,6 +257,16 @@ cdef class Lane:
         if receiving:
             return True
         return nbytes >= _one_way_single_min and bool(self.q.awaiting.get(dst))
+
+    cdef bint _engine_receiving(self):
+        """Whether the engine has receives of its own: posted, streaming in, or
+        unexpected records (lock held)."""
+        if self.q.posted or self.q.unexpected:
+            return True
+        for inc in self.q.rx.values():
+            if inc is not None:
+                return True
+        return False
 
     cdef bint _overlaps_sent(self, size_t addr, uint64_t nbytes):
         """Whether a single-copy send still being read uses memory in [addr, addr + nbytes)."""
@@ -499,7 +506,7 @@ cdef class Lane:
         when it has receives of its own to move)."""
         cdef Ring ring = <Ring>self.outs[op.dst]
         cdef Ring inring = None
-        cdef uint64_t *acked = <uint64_t *>(<size_t>ring.head - SD_RING_HEAD + SD_RING_ACKED)
+        cdef uint64_t *acked = _hw(ring, SD_RING_ACKED)
         cdef uint64_t *seq = _hw(ring, SD_RING_HELP_SEQ)
         cdef uint64_t target = op.target, offers = sd_load64(seq), head = 0
         cdef long i = 0
@@ -507,8 +514,8 @@ cdef class Lane:
         while True:
             self.acquire()
             try:
-                if self.q.posted or self.q.unexpected or any(inc is not None for inc in self.q.rx.values()):
-                    break       # the engine's receives: its wait moves them
+                if self._engine_receiving():
+                    break       # its wait moves them
                 if self.pend and self._drain(None) == SD_OTHER_RECORD:
                     break       # (they went to the engine)
                 inring = (<_Pend>self.pend[0]).ring if self.pend else None
@@ -543,7 +550,7 @@ cdef class Lane:
         q = self.q.awaiting.get(dst)
         if q is None:
             return
-        acked = sd_load64(<uint64_t *>(<size_t>ring.head - SD_RING_HEAD + SD_RING_ACKED))
+        acked = sd_load64(_hw(ring, SD_RING_ACKED))
         while q and ring.acks_seen < acked:
             (<DistributedRequest>q.popleft().req)._complete()
             ring.acks_seen += 1

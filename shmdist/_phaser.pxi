@@ -20,7 +20,7 @@ cdef class Phaser:
 
     def __cinit__(self, size_t flags, size_t stride, int n, int me, others, size_t bell,
                   Backoff backoff, lock, bytes barrier_desc, size_t bufs, size_t slot,
-                  dict kinds, uint64_t all_reduce_index):
+                  dict kinds, uint64_t all_reduce_index, uint64_t broadcast_index=0):
         cdef const uint64_t[::1] view = others
         self.flags, self.stride, self.n, self.me, self.bell = flags, stride, n, me, bell
         self.others_ref = others        # keeps the addresses alive
@@ -30,7 +30,7 @@ cdef class Phaser:
         self.acquire, self.release = lock.acquire, lock.release
         self.barrier_desc = barrier_desc
         self.bufs, self.slot = bufs, slot
-        self.kinds, self.all_reduce_index = dict(kinds), all_reduce_index
+        self.kinds, self.all_reduce_index, self.broadcast_index = dict(kinds), all_reduce_index, broadcast_index
         self.kinds.setdefault(_F16, (KIND_FLOAT16, b"float16"))
         self.broken = None
         self.trace_gid = -1
@@ -115,55 +115,37 @@ cdef class Phaser:
         return self._enter(PyBytes_AS_STRING(desc), len(desc))
 
     cdef int _call(self, const char *desc, size_t nd, void *data, size_t nbytes, int kind,
-                   int op) except -4:
+                   int op, int root=-1) except -4:
         """One collective call of a single phase under the group's lock: the
         data (if any) into this member's buffer, the phase, and once every
-        member is there the reduction of all buffers into ``data``.
+        member is there the reduction of all buffers into ``data``; with
+        ``root`` (a broadcast), only the root's data goes in, and the others
+        copy it out of the root's buffer instead.
         DONE_SPINNING or DONE when done; BROKEN when the group is broken
         (nothing done); NOT_YET (not passed yet) and DIFFER (the calls
         differ) leave the lock held."""
         cdef int how
-        cdef size_t parity
+        cdef size_t parity, src
         self.acquire()
         if self.broken is not None:
             self.release()
             return SD_BROKEN
         try:
             parity = self.phase % 2
-            if data != NULL:
-                memcpy(<void *>(self.bufs + (2 * self.me + parity) * self.slot), data, nbytes)
-            how = self._enter(desc, nd)
-            if how > 0 and data != NULL:
-                _reduce_kind(kind, op, <size_t>data, self.bufs + parity * self.slot, 2 * self.slot,
-                             self.n, nbytes // sd_kind_itemsize[kind])
-        except BaseException:
-            self.release()
-            raise
-        if how > 0:
-            self.release()
-        return how
-
-    cdef int _bcast(self, const char *desc, size_t nd, void *data, size_t nbytes, int root) except -4:
-        """One broadcast of a single round under the group's lock: the root's
-        data into its buffer, the phase, and once every member is there the
-        others copy it out. As _call for what it returns and leaves held."""
-        cdef int how
-        cdef size_t src
-        self.acquire()
-        if self.broken is not None:
-            self.release()
-            return SD_BROKEN
-        try:
-            src = self.bufs + (2 * root + self.phase % 2) * self.slot
-            if root == self.me:
+            src = self.bufs + (2 * (self.me if root < 0 else root) + parity) * self.slot
+            if data != NULL and (root < 0 or root == self.me):
                 memcpy(<void *>src, data, nbytes)
             how = self._enter(desc, nd)
-            if how > 0 and root != self.me:
-                if nbytes < NOGIL_COPY:
-                    memcpy(data, <const void *>src, nbytes)
-                else:
-                    with nogil:
+            if how > 0 and data != NULL:
+                if root < 0:
+                    _reduce_kind(kind, op, <size_t>data, self.bufs + parity * self.slot, 2 * self.slot,
+                                 self.n, nbytes // sd_kind_itemsize[kind])
+                elif root != self.me:
+                    if nbytes < NOGIL_COPY:
                         memcpy(data, <const void *>src, nbytes)
+                    else:
+                        with nogil:
+                            memcpy(data, <const void *>src, nbytes)
         except BaseException:
             self.release()
             raise
@@ -178,11 +160,12 @@ cdef class Phaser:
         done. NOT_TAKEN: it does not qualify, nothing done; BROKEN, NOT_YET
         and DIFFER as for _call, the root's data already in its buffer of
         parity (phase - 1) % 2, from which the caller finishes. The descriptor
-        is the one layout.pack_desc packs for it (root: the global rank ``groot``
-        the Python path names, set in ``root_ranks``)."""
+        is the one layout.pack_desc packs for it, naming ``root`` as the root's
+        global rank: the one-call path serves the default group only, where
+        they are the same (GroupComm.quick_broadcast checks)."""
         cdef Py_buffer view
         cdef uint64_t desc[SD_DESC_WORDS]
-        if root < 0 or root >= self.n or self.broadcast_index == 0:
+        if root < 0 or root >= self.n or self.broadcast_index == 0:     # (0: not given)
             return SD_NOT_TAKEN
         try:
             PyObject_GetBuffer(arr, &view, PyBUF_C_CONTIGUOUS | (0 if root == self.me else PyBUF_WRITABLE))
@@ -194,9 +177,9 @@ cdef class Phaser:
             memset(desc, 0, sizeof(desc))      # layout.DESC: 0, kind, bytes, op, root, dtype, extra
             desc[SD_DESC_KIND // 8] = self.broadcast_index
             desc[SD_DESC_NBYTES // 8] = view.len
-            desc[SD_DESC_ROOT // 8] = <uint64_t>(<int64_t>self.root_ranks[root])
+            desc[SD_DESC_ROOT // 8] = <uint64_t>root
             memcpy(<char *>desc + SD_DESC_DTYPE, PyBytes_AS_STRING(name), len(name))
-            return self._bcast(<const char *>desc, sizeof(desc), view.buf, view.len, root)
+            return self._call(<const char *>desc, sizeof(desc), view.buf, view.len, 0, 0, root)
         finally:
             PyBuffer_Release(&view)
 

@@ -19,7 +19,7 @@ cdef uint64_t LOW32 = 0xffffffff
 
 
 cdef inline uint64_t *_hw(Ring ring, size_t at) noexcept nogil:
-    """A word of the ring's help slot (layout.RING_HELP_*)."""
+    """A word of the ring's control block at offset ``at`` (the help slot's, layout.RING_HELP_*; RING_ACKED)."""
     return <uint64_t *>(<size_t>ring.head - SD_RING_HEAD + at)
 
 
@@ -310,7 +310,7 @@ cdef class Ring:
             return SD_OTHER_RECORD
         sd_store64(self.tail, t + total)
         self._room()
-        acked = <uint64_t *>(<size_t>self.head - SD_RING_HEAD + SD_RING_ACKED)
+        acked = _hw(self, SD_RING_ACKED)
         sd_store64(acked, sd_load64(acked) + 1)
         _ring_traffic(self.other_ctl)
         return SD_DONE
@@ -450,11 +450,11 @@ cdef class Ring:
 
     def acked(self):
         """Producer side: single-copy records the consumer has read, ever."""
-        return sd_load64(<uint64_t *>(<size_t>self.head - SD_RING_HEAD + SD_RING_ACKED))
+        return sd_load64(_hw(self, SD_RING_ACKED))
 
     def ack(self):
         """Consumer side: one more single-copy record read; wake the producer."""
-        cdef uint64_t *acked = <uint64_t *>(<size_t>self.head - SD_RING_HEAD + SD_RING_ACKED)
+        cdef uint64_t *acked = _hw(self, SD_RING_ACKED)
         sd_store64(acked, sd_load64(acked) + 1)
         _ring_traffic(self.other_ctl)
 

@@ -179,8 +179,7 @@ class GroupComm:
         self.backoff = world.engine.backoff
         self.ph = _core.Phaser(self.ctl[0], CTL_STRIDE, self.n, self.me, self.others, self.my_bell,
                                self.backoff, self.lock, _BARRIER, self.buffers[0][0], self.slot,
-                               _PHASER_KINDS, KINDS.index("all_reduce"))
-        self.ph.broadcast_index, self.ph.root_ranks = KINDS.index("broadcast"), list(ranks)
+                               _PHASER_KINDS, KINDS.index("all_reduce"), KINDS.index("broadcast"))
         self.last_bdtype, self.last_bname = None, b""   # quick_broadcast's last dtype and its name
 
     @property
