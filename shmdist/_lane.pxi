@@ -16,9 +16,9 @@ cdef enum:
     MAX_PENDING = 1024     # pending fast receives at most; more go the general way
 
 # One way (no receive from the destination pending here), a message the ring could take
-# goes as a single copy only from this size, while earlier ones are still being read
+# goes as a single copy from this size, its reading shared with the sender (engine.HELP_MIN)
 # (transport/engine.py, which takes it from here: one rule for the lane and the engine).
-cdef uint64_t _one_way_single_min = 1 << 20
+cdef uint64_t _one_way_single_min = 1 << 19
 ONE_WAY_SINGLE_MIN = _one_way_single_min
 
 
@@ -236,9 +236,9 @@ cdef class Lane:
         """Whether a send of ``nbytes`` at ``addr`` to ``dst`` goes as a single copy
         (lock held), as the engine's send decides: a receive from ``dst`` is
         pending here (both ways at once: each core then copies each byte once,
-        not twice), or, one way, it is of at least ONE_WAY_SINGLE_MIN bytes and
-        earlier single copies to ``dst`` are still being read; never when a
-        receive pending here may write into its memory before ``dst`` read it."""
+        not twice), or, one way, it is of at least ONE_WAY_SINGLE_MIN bytes;
+        never when a receive pending here may write into its memory before
+        ``dst`` read it."""
         cdef int64_t lim = self.single_at[dst]
         cdef _Pend p
         cdef bint receiving = False
@@ -256,7 +256,7 @@ cdef class Lane:
                 receiving = True
         if receiving:
             return True
-        return nbytes >= _one_way_single_min and bool(self.q.awaiting.get(dst))
+        return nbytes >= _one_way_single_min
 
     cdef bint _engine_receiving(self):
         """Whether the engine has receives of its own: posted, streaming in, or

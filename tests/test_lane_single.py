@@ -2,17 +2,17 @@
 numpy array (or plain torch tensor) on the default group, of at least
 SHMDIST_SINGLE_COPY bytes, goes as a single copy from the lane itself while
 a receive from its destination is pending there (both ways at once), or one
-way from engine.ONE_WAY_SINGLE_MIN while earlier single copies to it are
-still being read; the receive reads it in its wait. The request stays
-pending until the destination has read the message.
+way from engine.ONE_WAY_SINGLE_MIN bytes; the receive reads it in its wait.
+The request stays pending until the destination has read the message.
 
 Each test checks the bytes, and counts that the lane, not the engine, took
 the messages (Lane.sends) and that they went as single copies (the ring's
 acks_seen: reads the sender saw end): bit-exact windows both ways, a torch
 tensor, a receive into memory a single copy still reads, a send from memory
 a pending receive writes, a timed-out wait that finishes later, the
-receiver killed while the sender waits, destroy with one pending, the
-sender's help with a one-way window."""
+receiver killed while the sender waits, destroy with one pending, one way:
+a window (the sender helping with the reads) and a loop of blocking sends,
+each side of the threshold."""
 from __future__ import annotations
 
 import os
@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import shmdist as dist
+from shmdist.transport.engine import ONE_WAY_SINGLE_MIN
 
 MiB = 1 << 20
 
@@ -261,13 +262,13 @@ def test_destroy_fails_a_pending_single_copy_send(run_ranks):
 
 
 def one_way_window(rank, world_size, init_method, count):
-    """One way: a message bigger than the 8 MiB ring goes first (the engine's
-    single copy), then ``count`` of 6 MiB, which the lane sends as single copies
-    behind it; rank 0 waits on the last one first, in the lane's spin (long
-    enough, SHMDIST_SPIN, that the engine's wait never runs), copying chunks of
-    the reads rank 1 offers to share."""
+    """One way, nothing sent before: a message one byte under ONE_WAY_SINGLE_MIN
+    goes through the ring, one of ONE_WAY_SINGLE_MIN and ``count`` of 6 MiB as
+    the lane's single copies; rank 0 waits on the last one first, in the lane's
+    spin (long enough, SHMDIST_SPIN, that the engine's wait never runs), copying
+    chunks of the reads rank 1 offers to share."""
     start(rank, world_size, init_method)
-    sizes = [9 * MiB] + [6 * MiB] * count
+    sizes = [ONE_WAY_SINGLE_MIN - 1, ONE_WAY_SINGLE_MIN] + [6 * MiB] * count
     if rank == 0:
         engine = _engine()
         sends0, acks0 = counters(1)
@@ -292,9 +293,45 @@ def one_way_window(rank, world_size, init_method, count):
     return ok
 
 
-def test_one_way_behind_a_single_copy_the_lane_sends_single_copies_and_the_sender_helps(run_ranks):
+def test_one_way_from_the_threshold_the_lane_sends_single_copies_and_the_sender_helps(run_ranks):
     count = 6
     env = {"SHMDIST_RING_BYTES": str(8 * MiB), "SHMDIST_SPIN": str(1 << 30)}
     res = run_ranks(one_way_window, 2, count, env=env, timeout=90)
-    assert res[1] == [True] * (count + 1)
-    assert res[0] == (count, count + 1, True)
+    assert res[1] == [True] * (count + 2)
+    assert res[0] == (count + 2, count + 1, True)     # all the lane's; all but the first read in place
+
+
+def blocking_loop(rank, world_size, init_method, n, count):
+    """What a pipeline stage does: ``count`` blocking sends of ``n`` bytes, each
+    waited for before the next (the same buffer, refilled), against blocking
+    receives; then the sender's counters."""
+    start(rank, world_size, init_method)
+    buf = np.zeros(n, np.uint8)
+    if rank == 0:
+        sends0, acks0 = counters(1)
+        for k in range(count):
+            buf[:] = pattern(n, k)
+            dist.send(buf, 1, tag=k).wait()
+        res = counters(1)[0] - sends0, counters(1)[1] - acks0
+        dist.barrier()
+        dist.destroy_process_group()
+        return res
+    ok = []
+    for k in range(count):
+        dist.recv(buf, 0, tag=k).wait()
+        ok.append(np.array_equal(buf, pattern(n, k)))
+    dist.barrier()
+    dist.destroy_process_group()
+    return ok
+
+
+@pytest.mark.parametrize("n", [ONE_WAY_SINGLE_MIN - 1, ONE_WAY_SINGLE_MIN, 2 * MiB])
+def test_a_loop_of_blocking_sends_is_bit_exact_and_single_copies_from_the_threshold(run_ranks, n):
+    count = 8
+    res = run_ranks(blocking_loop, 2, n, count, timeout=90)
+    assert res[1] == [True] * count
+    lane, read = res[0]
+    if n >= ONE_WAY_SINGLE_MIN:
+        assert (lane, read) == (count, count)     # the lane's every one, each read in place
+    else:
+        assert read == 0 and lane >= 1      # through the ring (the engine's while it is full)

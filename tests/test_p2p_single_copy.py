@@ -1,8 +1,8 @@
 """Single copy between local ranks (transport/engine.py): a message at least
 SHMDIST_SINGLE_COPY bytes big that the ring cannot take whole at once (and,
-one way, only when it is bigger than the ring, or from
-engine.ONE_WAY_SINGLE_MIN while earlier messages are on their way; else
-only while a receive from its destination is pending too) goes
+one way, only when it is bigger than the ring or of at least
+engine.ONE_WAY_SINGLE_MIN bytes; else only while a receive from its
+destination is pending too) goes
 through the ring as a small record naming the sender's memory, and the
 receiver reads it from there with process_vm_readv. A 64 KiB ring here, so
 that every message from the threshold up takes that way. Bit-exact data around the threshold, both ways at once,
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import shmdist as dist
+from shmdist.transport.engine import ONE_WAY_SINGLE_MIN
 
 THRESHOLD = 64 << 10
 ENV = {"SHMDIST_SINGLE_COPY": str(THRESHOLD), "SHMDIST_RING_BYTES": str(THRESHOLD)}
@@ -103,12 +104,11 @@ def test_many_in_flight_out_of_order_tags(run_ranks):
     assert results == [([], True), ([], True)]
 
 
-def unexpected_then_received(rank, world_size, init_method):
+def unexpected_then_received(rank, world_size, init_method, n):
     """Both ranks send big messages before either receives: each drains the
     other's into a buffer of its own (no deadlock), then receives it."""
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
     peer = 1 - rank
-    n = 1 << 20
     out = [pattern(n, 100 * rank + k) for k in range(3)]
     for k in range(3):
         dist.send(out[k], peer, tag=k).wait()
@@ -121,8 +121,11 @@ def unexpected_then_received(rank, world_size, init_method):
     return got
 
 
-def test_sends_before_receives_do_not_deadlock(run_ranks):
-    assert run_ranks(unexpected_then_received, 2, env=ENV, timeout=90) == [[True] * 3] * 2
+@pytest.mark.parametrize("ring", ["small", "default"])
+def test_sends_before_receives_do_not_deadlock(run_ranks, ring):
+    # the default ring would hold each whole: single copies one way from ONE_WAY_SINGLE_MIN
+    env, n = (ENV, 1 << 20) if ring == "small" else ({}, ONE_WAY_SINGLE_MIN)
+    assert run_ranks(unexpected_then_received, 2, n, env=env, timeout=90) == [[True] * 3] * 2
 
 
 def aliased(rank, world_size, init_method, recv_first):
@@ -273,6 +276,8 @@ def ring_or_single(rank, world_size, init_method, nbytes, pending):
     (8 << 20, None, "single"),      # one way, bigger than the ring: its reading shared with the sender
     (8 << 20, True, "single"),      # the same with a receive from the peer pending
     (2 << 20, None, "single"),      # one way, does not fit the ring
+    (ONE_WAY_SINGLE_MIN, None, "single"),   # one way, fits the ring: from the one-way threshold
+    (ONE_WAY_SINGLE_MIN - 64, False, "ring"),
 ])
 def test_which_messages_go_single_copy(run_ranks, nbytes, pending, way):
     env = {"SHMDIST_SINGLE_COPY": str(THRESHOLD), "SHMDIST_RING_BYTES": str(1 << 20)}
@@ -280,13 +285,13 @@ def test_which_messages_go_single_copy(run_ranks, nbytes, pending, way):
 
 
 def behind_another(rank, world_size, init_method, pending):
-    """What rank 0's second send of 768 KiB becomes while its first still
-    fills the 1 MiB ring: 'ring' (streams behind it) or 'single'.
+    """What rank 0's second send of 384 KiB (under ONE_WAY_SINGLE_MIN) becomes
+    while its first still fills the 512 KiB ring: 'ring' (streams behind it) or 'single'.
     ``pending``: rank 0 has a receive from rank 1 pending meanwhile."""
     from shmdist.api import group
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
     dist.barrier()      # rank 1 has probed that it may read rank 0 (init's last step)
-    n = 768 << 10
+    n = 384 << 10
     if rank == 0:
         answer = dist.irecv(np.zeros(1), 1) if pending else None
         reqs = [dist.isend(pattern(n, 5), 1), dist.isend(pattern(n, 6), 1)]
@@ -311,10 +316,10 @@ def behind_another(rank, world_size, init_method, pending):
 
 @pytest.mark.parametrize("pending, way", [(False, "ring"), (True, "single")])
 def test_one_way_message_that_fits_the_ring_streams_behind_another(run_ranks, pending, way):
-    """One way, a message the empty ring could take whole streams through it
-    even while the ring is busy (a blocking-send loop would otherwise wait a
-    round trip per message); both ways at once it goes in a single copy."""
-    env = {"SHMDIST_SINGLE_COPY": str(THRESHOLD), "SHMDIST_RING_BYTES": str(1 << 20)}
+    """One way, a message under ONE_WAY_SINGLE_MIN the empty ring could take
+    whole streams through it even while the ring is busy; both ways at once it
+    goes in a single copy."""
+    env = {"SHMDIST_SINGLE_COPY": str(THRESHOLD), "SHMDIST_RING_BYTES": str(512 << 10)}
     assert run_ranks(behind_another, 2, pending, env=env, timeout=90) == [way, [True, True]]
 
 

@@ -17,8 +17,8 @@ send before they receive do not deadlock.
 
 Single copy: a message of at least SHMDIST_SINGLE_COPY bytes to a local
 peer, while a receive from that peer is pending here (both ways at once) or, one
-way, when it is bigger than the ring or (from ONE_WAY_SINGLE_MIN) follows
-others still on their way, goes as a small record instead (the fast lane,
+way, when it is bigger than the ring or of at least ONE_WAY_SINGLE_MIN bytes,
+goes as a small record instead (the fast lane,
 _lane.pxi, decides the same way for the sends it takes), flagged HDR_SINGLE_COPY, whose payload is
 SINGLE_COPY (this process's pid, the message's address). The receiver reads
 the message from here with process_vm_readv, straight into its buffer (or,
@@ -62,14 +62,15 @@ from shmdist.tensors import as_buf, describe
 
 LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
 # One way (no receive from the destination pending here), a message goes in a single copy
-# when the ring could not take it whole, or from ONE_WAY_SINGLE_MIN bytes while earlier
-# messages to the same peer are still on their way (a window of isends); the first of a
-# window, and a loop of blocking sends, stream through the ring instead, pipelined on two
-# cores: as single copies, each blocking send waited for its read, a round trip per message
-# (1 MiB: 1.59-1.74 x MPI against 1.32-1.37 through the ring; windowed 0.73-0.86 against
-# 1.31-1.59; interleaved benchmark, 2026-12-05). Its reading is shared with the sender from
-# HELP_MIN bytes (two chunks), so each core copies about half: one way at 16 MiB 20-28 GB/s
-# against 14-15 through the ring, where one process_vm_readv moves 10 (bench/cma_probe.py).
+# when the ring could not take it whole, or from ONE_WAY_SINGLE_MIN (512 KiB) bytes; smaller
+# ones stream through the ring, pipelined on two cores. Its reading is shared with the sender
+# from HELP_MIN bytes (two chunks), so each core copies about half: one way at 16 MiB 20-28
+# GB/s against 14-15 through the ring, where one process_vm_readv moves 10 (bench/cma_probe.py).
+# Single copies one way only behind earlier ones still being read (a window of isends) left
+# the blocking loop and ping-pong to the ring's two copies: 1 MiB blocking 1.28-1.38 x Open MPI
+# against 0.52-0.74 now, latency 0.91-0.98 against 0.49-0.58 (interleaved benchmark,
+# 2026-12-06; README). When sends went as single copies in Python (2026-12-05) the same
+# rule was a loss: each blocking send waited a round trip of Python for its read.
 ONE_WAY_SINGLE_MIN = _core.ONE_WAY_SINGLE_MIN    # (the fast lane, _lane.pxi, decides by it too)
 HELP_MIN = 512 << 10
 COLLECTIVE_GID = 1 << 40  # group ids at and above it carry collectives' own messages
@@ -187,7 +188,7 @@ class Engine:
             q = sendq.get(dst)
             if buf.nbytes >= self.single_min > 0 and dst in self.single_by and \
                     (self._receiving_from(dst) or self.single_by[dst].ring_bytes < _core.record_bytes(buf.nbytes)
-                     or buf.nbytes >= ONE_WAY_SINGLE_MIN and (q or self.queues.awaiting.get(dst))) and \
+                     or buf.nbytes >= ONE_WAY_SINGLE_MIN) and \
                     buf.nbytes >= self._single_limit(dst) and not self._written(buf):
                 meta = np.array([self.pid, buf.addr], dtype=np.uint64)      # layout.SINGLE_COPY
                 header = make_header(tag, gid, self.rank, buf, HDR_SINGLE_COPY)
