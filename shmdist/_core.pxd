@@ -31,6 +31,22 @@ cdef extern from "_trace.h":           # the flight recorder's C writer (layout:
     void sd_tr_undone(uint64_t seq, uint32_t state)
     void sd_tr_attach(uint8_t *base, uint64_t capacity)
 
+cdef extern from "pythread.h":
+    ctypedef void *PyThread_type_lock
+    ctypedef enum PyLockStatus:
+        PY_LOCK_FAILURE = 0
+        PY_LOCK_ACQUIRED = 1
+        PY_LOCK_INTR
+    enum:
+        WAIT_LOCK
+        NOWAIT_LOCK
+    unsigned long PyThread_get_thread_ident()
+    PyThread_type_lock PyThread_allocate_lock()
+    void PyThread_free_lock(PyThread_type_lock)
+    int PyThread_acquire_lock(PyThread_type_lock, int mode) nogil
+    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock, long long microseconds, int intr_flag) nogil
+    void PyThread_release_lock(PyThread_type_lock) nogil
+
 cdef extern from "_half.h" nogil:
     void sd_reduce_half(int f16, int op, uint16_t *out, const uint16_t *const *ins, int n,
                         size_t count, float div)
@@ -134,13 +150,26 @@ cdef class _Pend:
 
 
 @cython.final
+cdef class RLock:
+    """_lock.pxi"""
+    cdef PyThread_type_lock real    # what a thread that finds it held waits on
+    cdef unsigned long owner        # the thread that holds it (while count > 0)
+    cdef int count                  # how many times its owner took it
+    cdef int waiting                # threads waiting on real
+    cdef bint real_held             # real is taken (for the owner, or by it)
+    cdef bint _take(self, bint blocking=*, double timeout=*) except -1
+    cdef bint _wait(self, unsigned long me, double timeout) except -1
+    cdef int _give(self) except -1
+
+
+@cython.final
 cdef class Lane:
     """_lane.pxi"""
     cdef int rank
     cdef list outs, ins            # Ring or None, per global rank
     cdef list send_ops, recv_ops   # the op names of requests, per global rank
     cdef public dict dtypes        # numpy dtype -> its 16-byte header field, filled by the general path
-    cdef object acquire, release   # the engine's lock
+    cdef RLock lock                # the engine's
     cdef Queues q                  # the engine's queues (the same object, for good)
     cdef object engine
     cdef object peers              # (src,) tuples, per rank
@@ -179,7 +208,7 @@ cdef class Phaser:
     cdef const uint64_t *others
     cdef Py_ssize_t nothers
     cdef Backoff backoff
-    cdef object acquire, release
+    cdef RLock lock                      # the group's (arena.GroupComm.lock)
     cdef bytes barrier_desc
     cdef dict kinds                      # numpy dtype -> (reduce_rows kind, its name) for all_reduce
     cdef object last_dtype, last_op, last_name, last_plan   # plan()'s last answer, by identity

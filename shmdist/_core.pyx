@@ -11,7 +11,10 @@ from libc.string cimport memcmp, memcpy, memset
 from libc.stdlib cimport malloc, free
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_C_CONTIGUOUS
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
-from shmdist._core cimport (sd_load64, sd_store64, sd_load32, sd_store32, sd_add32, sd_add64, sd_cas64,
+from shmdist._core cimport (PyThread_allocate_lock, PyThread_free_lock, PyThread_acquire_lock,
+                            PyThread_acquire_lock_timed, PyThread_release_lock, PyThread_get_thread_ident,
+                            PY_LOCK_ACQUIRED, WAIT_LOCK,
+                            sd_load64, sd_store64, sd_load32, sd_store32, sd_add32, sd_add64, sd_cas64,
                             sd_fence, sd_relax, sd_futex_wait, sd_futex_wake, sd_yield,
                             sd_copy_nt, sd_reduce_half, sd_half_level, sd_half_set_limit,
                             sd_reduce_float, sd_tr_post, sd_tr_set, sd_tr_attach)
@@ -76,6 +79,7 @@ include "_bells.pxi"
 include "_ring.pxi"
 include "_kernels.pxi"
 include "_waiting.pxi"
+include "_lock.pxi"
 include "_request.pxi"
 include "_lane.pxi"
 include "_phaser.pxi"

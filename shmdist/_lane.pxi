@@ -83,8 +83,7 @@ cdef class Lane:
         self.recv_ops = [f"recv from rank {r}" for r in range(size)]
         self.peers = [(r,) for r in range(size)]
         self.dtypes = {}
-        self.acquire = engine.lock.acquire
-        self.release = engine.lock.release
+        self.lock = engine.lock
         self.q = <Queues?>engine.queues
         self.pend = []
         self.single_at = [0] * size
@@ -192,7 +191,7 @@ cdef class Lane:
             if view.ndim > SD_MAX_DIMS:
                 return None
             total = _record(<uint64_t>view.len)
-            self.acquire()
+            self.lock._take()
             try:
                 if self.q.sendq:
                     return None
@@ -226,7 +225,7 @@ cdef class Lane:
                     sd_tr_post(SD_TR_SEND, SD_TR_DONE, 0, d, t, <uint64_t>view.len, 0, PyBytes_AS_STRING(dtype16))  # trace: send, done
                     req._done = True
             finally:
-                self.release()
+                self.lock._give()
         finally:
             PyBuffer_Release(&view)
         self.sends += 1
@@ -313,7 +312,7 @@ cdef class Lane:
         req.op = self.recv_ops[isrc]
         req._peers = self.peers[isrc]
         req.tensors = [arr]
-        self.acquire()
+        self.lock._take()
         try:
             if self.q.posted or self.q.unexpected or self.q.rx[isrc] is not None:
                 return None
@@ -343,7 +342,7 @@ cdef class Lane:
             self.pend.append(p)
             req._lane = self
         finally:
-            self.release()
+            self.lock._give()
         return req
 
     def settle(self):
@@ -440,7 +439,7 @@ cdef class Lane:
         if spin < 0:
             spin = self.backoff.spin
         op = None
-        self.acquire()
+        self.lock._take()
         try:
             if not self.holds(req):
                 op = self._sent_op(req)
@@ -456,7 +455,7 @@ cdef class Lane:
                         first = p
                         break
         finally:
-            self.release()
+            self.lock._give()
         if op is not None:
             return self._wait_sent(<_Sent>op, spin)
         if not self.q.sendq:
@@ -470,7 +469,7 @@ cdef class Lane:
                     if h >= SD_HEADER_BYTES and (total > first.ring.size or _single_copy_at(first.ring, t)):
                         break       # a single copy (read at once), or a ring record too big to come whole
                     sd_relax()
-        self.acquire()
+        self.lock._take()
         try:
             if not self.holds(req):
                 return req._done
@@ -479,7 +478,7 @@ cdef class Lane:
                 return how == SD_DONE
             self.settle()
         finally:
-            self.release()
+            self.lock._give()
         return False
 
     def _sent_op(self, DistributedRequest req):
@@ -512,7 +511,7 @@ cdef class Lane:
         cdef long i = 0
         cdef bint woke
         while True:
-            self.acquire()
+            self.lock._take()
             try:
                 if self._engine_receiving():
                     break       # its wait moves them
@@ -525,7 +524,7 @@ cdef class Lane:
                     offers = sd_load64(seq)
                     self.engine._help()
             finally:
-                self.release()
+                self.lock._give()
             woke = False
             with nogil:
                 while i < spin and sd_load64(acked) < target:
@@ -536,11 +535,11 @@ cdef class Lane:
                     i += 1
             if not woke:
                 break
-        self.acquire()
+        self.lock._take()
         try:
             self._complete_sent(op.dst)
         finally:
-            self.release()
+            self.lock._give()
         return op.req._done
 
     cdef void _complete_sent(self, int dst):

@@ -19,7 +19,7 @@ cdef class Phaser:
     """
 
     def __cinit__(self, size_t flags, size_t stride, int n, int me, others, size_t bell,
-                  Backoff backoff, lock, bytes barrier_desc, size_t bufs, size_t slot,
+                  Backoff backoff, RLock lock, bytes barrier_desc, size_t bufs, size_t slot,
                   dict kinds, uint64_t all_reduce_index, uint64_t broadcast_index=0):
         cdef const uint64_t[::1] view = others
         self.flags, self.stride, self.n, self.me, self.bell = flags, stride, n, me, bell
@@ -27,7 +27,7 @@ cdef class Phaser:
         self.others = &view[0] if view.shape[0] else NULL
         self.nothers = view.shape[0]
         self.backoff = backoff
-        self.acquire, self.release = lock.acquire, lock.release
+        self.lock = lock
         self.barrier_desc = barrier_desc
         self.bufs, self.slot = bufs, slot
         self.kinds, self.all_reduce_index, self.broadcast_index = dict(kinds), all_reduce_index, broadcast_index
@@ -126,9 +126,9 @@ cdef class Phaser:
         differ) leave the lock held."""
         cdef int how
         cdef size_t parity, src
-        self.acquire()
+        self.lock._take()
         if self.broken is not None:
-            self.release()
+            self.lock._give()
             return SD_BROKEN
         try:
             parity = self.phase % 2
@@ -147,10 +147,10 @@ cdef class Phaser:
                         with nogil:
                             memcpy(data, <const void *>src, nbytes)
         except BaseException:
-            self.release()
+            self.lock._give()
             raise
         if how > 0:
-            self.release()
+            self.lock._give()
         return how
 
     def broadcast(self, arr, int root, size_t most, bytes name):

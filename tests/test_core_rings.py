@@ -4,7 +4,6 @@ that move in part (ring full, producer and consumer taking turns), the one-
 call take, doorbells and leave causes, phase flags and call descriptors,
 and the C rounds of a large all_reduce against numpy."""
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -248,7 +247,7 @@ class Arena:
         bell = lambda i: self.bells.ctypes.data + i * layout.CTL_BYTES
         self.ph = [_core.Phaser(self.flags.ctypes.data, layout.SLOT_STRIDE, n, i,
                                 np.array([bell(j) for j in range(n) if j != i], dtype=np.uint64), bell(i),
-                                _core.Backoff(spin, 0), threading.Lock(), arena._BARRIER,
+                                _core.Backoff(spin, 0), _core.RLock(), arena._BARRIER,
                                 self.bufs.ctypes.data, slot, arena._PHASER_KINDS,
                                 layout.KINDS.index("all_reduce"))
                    for i in range(n)]

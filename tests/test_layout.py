@@ -4,7 +4,6 @@ generated C header is stale, when the compiled core was built from another
 layout, or when what C writes (a message header, a call descriptor, the
 split of a chunk into parts) differs from what Python writes or reads."""
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -56,7 +55,7 @@ class _FakeEngine:
     """What a Lane binds of its engine, for one process that is both ends."""
     def __init__(self):
         self.backoff = _core.Backoff(0, 0)
-        self.lock = threading.RLock()
+        self.lock = _core.RLock()
         self.queues = _core.Queues([0, 1])
         self.single_min = 0         # no single copies: every send goes into the ring
         self.pid = os.getpid()
@@ -95,7 +94,7 @@ def test_phaser_descriptor_is_the_one_python_packs(dtype):
     bufs = np.zeros(2 * slot, dtype=np.uint8)
     bell = np.zeros(layout.CTL_BYTES, dtype=np.uint8)
     ph = _core.Phaser(ctl.ctypes.data, layout.SLOT_STRIDE, 1, 0, np.zeros(0, dtype=np.uint64),
-                      bell.ctypes.data, _core.Backoff(1000, 0), threading.Lock(), arena._BARRIER,
+                      bell.ctypes.data, _core.Backoff(1000, 0), _core.RLock(), arena._BARRIER,
                       bufs.ctypes.data, slot, arena._PHASER_KINDS, layout.KINDS.index("all_reduce"))
     arr = np.arange(10, dtype=dtype)
     assert ph.all_reduce(arr, ReduceOp.SUM, slot) > 0

@@ -129,7 +129,7 @@ class Comm(Protocol):
     checks that every member made the same call (``unusable`` and
     ``disagree`` are the errors), and runs under ``lock``."""
 
-    lock: threading.Lock
+    lock: "_core.RLock | threading.Lock"
     broken: str | None            # why the group can no longer run collectives
 
     def barrier(self, timeout: float) -> None: ...
@@ -175,7 +175,7 @@ class GroupComm:
         self.scratch: np.ndarray | None = None   # where the other member's chunk is read (_all_reduce_split)
         self.small = min(SMALL_ALLREDUCE_PAIR if self.n == 2 else SMALL_ALLREDUCE, self.slot)
         self.row_stride = 2 * self.slot
-        self.lock = threading.Lock()
+        self.lock = _core.RLock()
         self.backoff = world.engine.backoff
         self.ph = _core.Phaser(self.ctl[0], CTL_STRIDE, self.n, self.me, self.others, self.my_bell,
                                self.backoff, self.lock, _BARRIER, self.buffers[0][0], self.slot,

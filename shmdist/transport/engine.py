@@ -166,7 +166,7 @@ class Engine:
         # sendq {dst: deque of _Send}, posted [_Recv], rx {src: _Incoming or None}, unexpected
         # [_Incoming]: one object, shared with the fast lane, emptied in place, never replaced
         self.queues = _core.Queues([src for src, _ in self.chan_in])
-        self.lock = threading.RLock()
+        self.lock = _core.RLock()     # threading.RLock's behaviour, cheap while uncontended
         self.dead: dict[int, str] = {}    # peer -> why it is gone
         self.causes: dict[int, str] = {}  # peer that left -> the failure it left over
         self.timed_out = ""               # this rank's first timeout, as its peers should read it
