@@ -70,7 +70,7 @@ SETTINGS = {s.name: s for s in (
             "most bytes of elements per round of a large all_reduce"),
     Setting("SHMDIST_SPIN", 4000, int,
             "most cpu pauses a waiter spins before it sleeps (~50 us), when ranks do not outnumber cores"),
-    Setting("SHMDIST_YIELDS", 4, int,
+    Setting("SHMDIST_YIELDS", 64, int,
             "sched_yields a waiter makes before it sleeps, when local ranks outnumber cores"),
     Setting("SHMDIST_SECRET", None, str,
             "a shared secret: the store and the TCP transport refuse peers that cannot prove it"),
