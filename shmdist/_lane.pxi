@@ -18,7 +18,7 @@ cdef enum:
 # One way (no receive from the destination pending here), a message the ring could take
 # goes as a single copy from this size, its reading shared with the sender (engine.HELP_MIN)
 # (transport/engine.py, which takes it from here: one rule for the lane and the engine).
-cdef uint64_t _one_way_single_min = 1 << 19
+cdef uint64_t _one_way_single_min = 1 << 17
 ONE_WAY_SINGLE_MIN = _one_way_single_min
 
 

@@ -23,9 +23,17 @@ cdef inline uint64_t *_hw(Ring ring, size_t at) noexcept nogil:
     return <uint64_t *>(<size_t>ring.head - SD_RING_HEAD + at)
 
 
+cdef inline uint64_t _chunk_bytes(uint64_t nbytes) noexcept nogil:
+    """The bytes of each chunk of an offer of a message of ``nbytes``: HELP_CHUNK, twice
+    that from HELP_BIG (both ends decide alike). Small chunks let a 256 KiB message be
+    shared; for 16-64 MiB they cost (64 MiB ping-pong 4.1 -> 6.4 ms with 128 KiB chunks)."""
+    return SD_HELP_CHUNK if nbytes < SD_HELP_BIG else 2 * SD_HELP_CHUNK
+
+
 cdef inline uint64_t _chunks(uint64_t nbytes) noexcept nogil:
     """The chunks an offer of a message of ``nbytes`` has."""
-    return (nbytes + SD_HELP_CHUNK - 1) // SD_HELP_CHUNK
+    cdef uint64_t c = _chunk_bytes(nbytes)
+    return (nbytes + c - 1) // c
 
 
 cdef inline void _help_done(uint64_t *done, uint64_t tag, uint64_t k) noexcept nogil:
@@ -74,8 +82,8 @@ cdef int _claim_copy(Ring ring, uint64_t tag, uint64_t n, int pid, size_t dst, s
         if not sd_cas64(nxt, w, w + 1):
             continue
         k = w & LOW32
-        off = k * SD_HELP_CHUNK
-        ln = min(<uint64_t>SD_HELP_CHUNK, nbytes - off)
+        off = k * _chunk_bytes(nbytes)
+        ln = min(_chunk_bytes(nbytes), nbytes - off)
         if write:
             ring.helped += 1
             err = _cma(pid, src + off, dst + off, ln, True)

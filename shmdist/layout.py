@@ -80,7 +80,8 @@ RING_HELP_BYTES = 536         # uint64: its bytes
 RING_HELP_ERR = 544           # uint64: the errno of a producer's copy that failed (0: none)
 RING_HELP_NEXT = 640          # uint64: offer number << 32 | the next chunk to claim (compare-and-swap)
 RING_HELP_DONE = 768          # uint64: chunks of the offer copied (or given up), by both
-HELP_CHUNK = 256 << 10
+HELP_CHUNK = 128 << 10         # bytes of a chunk; of messages from HELP_BIG bytes, twice that
+HELP_BIG = 1 << 20
 
 # ---------------------------------------------------------------- segment parameters
 # Written by a segment's creator after the segment header (segment.py), read
@@ -230,7 +231,8 @@ def c_constants() -> dict[str, int]:
         "SD_RING_WANT": RING_WANT, "SD_RING_ACKED": RING_ACKED,
         "SD_RING_HELP_SEQ": RING_HELP_SEQ, "SD_RING_HELP_DST": RING_HELP_DST, "SD_RING_HELP_SRC": RING_HELP_SRC,
         "SD_RING_HELP_BYTES": RING_HELP_BYTES, "SD_RING_HELP_ERR": RING_HELP_ERR,
-        "SD_RING_HELP_NEXT": RING_HELP_NEXT, "SD_RING_HELP_DONE": RING_HELP_DONE, "SD_HELP_CHUNK": HELP_CHUNK,
+        "SD_RING_HELP_NEXT": RING_HELP_NEXT, "SD_RING_HELP_DONE": RING_HELP_DONE,
+        "SD_HELP_CHUNK": HELP_CHUNK, "SD_HELP_BIG": HELP_BIG,
         "SD_RING_MIN_BYTES": RING_MIN_BYTES,
         "SD_SLOT_STRIDE": SLOT_STRIDE, "SD_SLOT_PHASE": SLOT_PHASE, "SD_SLOT_DESC": SLOT_DESC,
         "SD_DESC_BYTES": DESC_BYTES, "SD_DESC_WORDS": DESC_WORDS, "SD_DESC_KIND": DESC_KIND,

@@ -290,20 +290,24 @@ def test_8_ranks_on_2_cores_pass_a_token_round_a_ring(run_ranks):
     assert results[0] == 8 * 200
 
 
+N_LEFT = 96 << 10     # (from engine.ONE_WAY_SINGLE_MIN a send waits until its message was read)
+
+
 def delivered_after_sender_left(rank, world_size, init_method):
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
     pid = np.array([os.getpid()], dtype=np.int64)
     if rank == 0:
         dist.send(pid, dst=1).wait()
-        dist.send(_pattern(256 << 10, seed=3), dst=1).wait()    # fits the ring: completes at once
+        # fits the ring, under the one-way single-copy size: completes at once
+        dist.send(_pattern(N_LEFT, seed=3), dst=1).wait()
         dist.destroy_process_group()
         return None
     dist.recv(pid, src=0).wait()
     wait_until_gone(int(pid[0]))
-    box = np.empty(256 << 10, dtype=np.uint8)
+    box = np.empty(N_LEFT, dtype=np.uint8)
     dist.recv(box, src=0).wait(timeout=10)
     dist.destroy_process_group()
-    return np.array_equal(box, _pattern(256 << 10, seed=3))
+    return np.array_equal(box, _pattern(N_LEFT, seed=3))
 
 
 def test_completed_send_is_delivered_after_the_sender_exits(run_ranks):

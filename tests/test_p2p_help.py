@@ -1,8 +1,9 @@
 """A big single copy read by both ends (_ring.pxi, "sharing a single copy's
 reading"; transport/engine.py): the receiver of a single copy of at least
 engine.HELP_MIN bytes offers the sender, which waits for that read, to copy
-256 KiB chunks of it into the receiver's buffer (process_vm_writev) while it
-reads the others, each chunk claimed once by compare-and-swap.
+chunks of it (layout.HELP_CHUNK bytes, twice that from layout.HELP_BIG) into the
+receiver's buffer (process_vm_writev) while it reads the others, each chunk
+claimed once by compare-and-swap.
 
 Bit-exact data around the chunk edges, one way windowed and blocking, both
 ways at once, any-source receives; that the sender really copied chunks
@@ -18,9 +19,11 @@ import numpy as np
 import pytest
 
 import shmdist as dist
+from shmdist import layout
 
-CHUNK = 256 << 10
-SIZES = (2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1, 5 * CHUNK + 13, (3 << 20) + 5, (17 << 20) + 3)
+CHUNK, BIG = layout.HELP_CHUNK, layout.HELP_BIG
+SIZES = (2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1, 5 * CHUNK + 13, BIG - 1, BIG, BIG + 1,
+         BIG + 2 * CHUNK + 7, (3 << 20) + 5, (17 << 20) + 3)
 
 
 def pattern(nbytes: int, seed: int) -> np.ndarray:

@@ -272,7 +272,8 @@ def ring_or_single(rank, world_size, init_method, nbytes, pending):
 
 
 @pytest.mark.parametrize("nbytes, pending, way", [
-    (256 << 10, False, "ring"),     # fits the 1 MiB ring: completes at once, even if the sender exits
+    (96 << 10, False, "ring"),      # fits the 1 MiB ring, under ONE_WAY_SINGLE_MIN: completes at once,
+                                    # even if the sender exits
     (8 << 20, None, "single"),      # one way, bigger than the ring: its reading shared with the sender
     (8 << 20, True, "single"),      # the same with a receive from the peer pending
     (2 << 20, None, "single"),      # one way, does not fit the ring
@@ -285,13 +286,13 @@ def test_which_messages_go_single_copy(run_ranks, nbytes, pending, way):
 
 
 def behind_another(rank, world_size, init_method, pending):
-    """What rank 0's second send of 384 KiB (under ONE_WAY_SINGLE_MIN) becomes
-    while its first still fills the 512 KiB ring: 'ring' (streams behind it) or 'single'.
+    """What rank 0's second send of 96 KiB (under ONE_WAY_SINGLE_MIN) becomes
+    while its first still fills the 128 KiB ring: 'ring' (streams behind it) or 'single'.
     ``pending``: rank 0 has a receive from rank 1 pending meanwhile."""
     from shmdist.api import group
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
     dist.barrier()      # rank 1 has probed that it may read rank 0 (init's last step)
-    n = 384 << 10
+    n = 96 << 10
     if rank == 0:
         answer = dist.irecv(np.zeros(1), 1) if pending else None
         reqs = [dist.isend(pattern(n, 5), 1), dist.isend(pattern(n, 6), 1)]
@@ -319,7 +320,7 @@ def test_one_way_message_that_fits_the_ring_streams_behind_another(run_ranks, pe
     """One way, a message under ONE_WAY_SINGLE_MIN the empty ring could take
     whole streams through it even while the ring is busy; both ways at once it
     goes in a single copy."""
-    env = {"SHMDIST_SINGLE_COPY": str(THRESHOLD), "SHMDIST_RING_BYTES": str(512 << 10)}
+    env = {"SHMDIST_SINGLE_COPY": str(THRESHOLD), "SHMDIST_RING_BYTES": str(128 << 10)}
     assert run_ranks(behind_another, 2, pending, env=env, timeout=90) == [way, [True, True]]
 
 

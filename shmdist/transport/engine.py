@@ -62,17 +62,21 @@ from shmdist.tensors import as_buf, describe
 
 LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
 # One way (no receive from the destination pending here), a message goes in a single copy
-# when the ring could not take it whole, or from ONE_WAY_SINGLE_MIN (512 KiB) bytes; smaller
+# when the ring could not take it whole, or from ONE_WAY_SINGLE_MIN (128 KiB) bytes; smaller
 # ones stream through the ring, pipelined on two cores. Its reading is shared with the sender
 # from HELP_MIN bytes (two chunks), so each core copies about half: one way at 16 MiB 20-28
 # GB/s against 14-15 through the ring, where one process_vm_readv moves 10 (bench/cma_probe.py).
+# From 128 KiB rather than 512 with sharing from 256 KiB rather than 512 (2026-12-06, code
+# before and after alternated three times, medians GB/s): windowed 128 KiB 13.6 -> 18.0,
+# 256 KiB 14.7 -> 17.9; blocking 128 KiB 14.1 -> 16.1, 256 KiB 14.4 -> 19.5; ping-pong
+# 256 KiB 33 -> 22 us, 128 KiB 17.1 -> 18.3 us (README).
 # Single copies one way only behind earlier ones still being read (a window of isends) left
 # the blocking loop and ping-pong to the ring's two copies: 1 MiB blocking 1.28-1.38 x Open MPI
 # against 0.52-0.74 now, latency 0.91-0.98 against 0.49-0.58 (interleaved benchmark,
 # 2026-12-06; README). When sends went as single copies in Python (2026-12-05) the same
 # rule was a loss: each blocking send waited a round trip of Python for its read.
 ONE_WAY_SINGLE_MIN = _core.ONE_WAY_SINGLE_MIN    # (the fast lane, _lane.pxi, decides by it too)
-HELP_MIN = 512 << 10
+HELP_MIN = 256 << 10
 COLLECTIVE_GID = 1 << 40  # group ids at and above it carry collectives' own messages
 
 
