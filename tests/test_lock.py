@@ -126,3 +126,22 @@ def test_threads_taking_it_in_turns_never_overlap():
     assert counts == [2000] * 8
     assert lock.acquire(blocking=False)
     lock.release()
+
+
+def retire_inside_a_call(rank, world_size, init_method):
+    """GroupComm.retire from the thread that holds the arena's lock (a signal
+    handler's destroy during a collective): not quiet, so the arena stays mapped."""
+    import shmdist as dist
+    from shmdist.api import group
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    dist.barrier()
+    coll = group._world.default.coll
+    with coll.lock:
+        inside = coll.retire("test", 0.05)
+    outside = coll.retire("test", 0.05)
+    dist.destroy_process_group()
+    return inside, outside
+
+
+def test_a_group_is_not_retired_from_inside_its_own_call(run_ranks):
+    assert run_ranks(retire_inside_a_call, 2, timeout=60) == [(False, True)] * 2

@@ -215,6 +215,8 @@ class GroupComm:
         call out (it raises at its next wake); True once no call is inside,
         so the arena may be unmapped. False after ``within`` seconds."""
         self.retired = self.broken = why
+        if self.lock._is_owned():
+            return False        # this very thread is inside a call (a signal handler's destroy)
         deadline = time.monotonic() + within
         while not self.lock.acquire(timeout=0.005):
             _core.ring_bell(self.my_bell)
