@@ -58,10 +58,10 @@ SETTINGS = {s.name: s for s in (
     Setting("SHMDIST_STREAM_BYTES", None, _int,
             "payloads at least this big are received with streaming stores; 0 never (default: half "
             "the last-level cache, at least 8 MiB)"),
-    Setting("SHMDIST_SINGLE_COPY", 64 << 10, _int,
+    Setting("SHMDIST_SINGLE_COPY", 32 << 10, _int,
             "a message to a local rank at least this big moves in one copy while a receive from that rank "
-            "is pending (both ways at once; or, one way, when bigger than the ring or from 1 MiB behind "
-            "other single copies): the receiver reads it from the sender's memory (process_vm_readv) "
+            "is pending (both ways at once; or, one way, when bigger than the ring or from 128 KiB): "
+            "the receiver reads it from the sender's memory (process_vm_readv) "
             "where it may; two-member broadcast and all_reduce copy between the arrays from this size, "
             "at least 1 MiB; 0 never (engine.py, _lane.pxi, comm/arena.py)"),
     Setting("SHMDIST_ARENA_BYTES", 1 << 20, _multiple_of_page("SHMDIST_ARENA_BYTES"),

@@ -23,9 +23,11 @@ import numpy as np
 import pytest
 
 import shmdist as dist
+from shmdist import settings
 from shmdist.transport.engine import ONE_WAY_SINGLE_MIN
 
 MiB = 1 << 20
+SINGLE = settings.SETTINGS["SHMDIST_SINGLE_COPY"].default   # the default threshold
 
 
 def pattern(nbytes: int, seed: int) -> np.ndarray:
@@ -89,7 +91,7 @@ def window_both_ways(rank, world_size, init_method, sizes, window, torch_tensors
 def test_both_ways_windows_are_bit_exact_and_go_as_the_lanes_single_copies(run_ranks, torch_tensors):
     if torch_tensors:
         pytest.importorskip("torch")
-    sizes = (64 << 10, (64 << 10) + 1, MiB + 24, 2 * MiB - 4096)   # from the threshold (the default) up
+    sizes = (SINGLE, SINGLE + 1, MiB + 24, 2 * MiB - 4096)   # from the threshold (the default) up
     window = 6
     env = {"SHMDIST_RING_BYTES": str(4 * MiB)}
     res = run_ranks(window_both_ways, 2, sizes, window, torch_tensors, env=env, timeout=120)
@@ -99,7 +101,7 @@ def test_both_ways_windows_are_bit_exact_and_go_as_the_lanes_single_copies(run_r
 
 
 def test_below_the_threshold_or_with_the_knob_off_the_ring_carries_them(run_ranks):
-    sizes = ((64 << 10) - 1, MiB)
+    sizes = (SINGLE - 1, MiB)
     res = run_ranks(window_both_ways, 2, sizes[:1], 4, False, timeout=120)
     assert [r[1] for r in res] == [[(4, 0)]] * 2     # the lane's, through the ring
     res = run_ranks(window_both_ways, 2, sizes[1:], 2, False, env={"SHMDIST_SINGLE_COPY": "0"}, timeout=120)
