@@ -31,7 +31,10 @@ def ctl_addr(size_t ctl):
 
 
 def ctl_probed(size_t ctl, int index, bint readable):
-    """The owner of ``ctl`` records whether it can read local rank ``index``'s memory."""
+    """The owner of ``ctl`` records whether it can read local rank ``index``'s memory
+    (local ranks from 64 on have no bit: never probed, never read)."""
+    if not 0 <= index < 64:
+        return
     cdef uint64_t bit = (<uint64_t>1) << index
     if readable:
         sd_store64(<uint64_t *>(ctl + SD_CTL_READS), sd_load64(<uint64_t *>(ctl + SD_CTL_READS)) | bit)
@@ -41,7 +44,10 @@ def ctl_probed(size_t ctl, int index, bint readable):
 
 def ctl_reads(size_t ctl, int index):
     """Whether the owner of ``ctl`` can read local rank ``index``'s memory:
-    True, False, or None while it has not probed it yet."""
+    True, False, or None while it has not probed it yet. False for local
+    ranks from 64 on, which have no bit."""
+    if not 0 <= index < 64:
+        return False
     cdef uint64_t bit = (<uint64_t>1) << index
     if not sd_load64(<uint64_t *>(ctl + SD_CTL_PROBED)) & bit:
         return None
@@ -198,6 +204,28 @@ def cma_read(int pid, size_t dst, size_t src, size_t n):
     cdef int err
     with nogil:
         err = _cma(pid, dst, src, n, False)
+    return err
+
+
+def cma_claim(size_t counter, uint64_t chunks, uint64_t chunk, int pid, size_t local, size_t remote,
+              uint64_t nbytes, bint write, bint one):
+    """One copy of ``nbytes`` between this process (``local``) and process
+    ``pid`` (``remote``), either way, cut into ``chunks`` of ``chunk`` bytes
+    that processes claim from the shared ``counter`` (a fetch-and-add): make
+    each chunk claimed here, until none is left (``one``: at most one).
+    Returns -1 when none was left to claim, else 0, or the errno of the copy
+    that failed (and claims no more)."""
+    cdef uint64_t k, off
+    cdef int err = -1
+    with nogil:
+        while True:
+            k = sd_add64(<uint64_t *>counter, 1) - 1
+            if k >= chunks:
+                break
+            off = k * chunk
+            err = _cma(pid, local + off, remote + off, min(chunk, nbytes - off), write)
+            if err or one:
+                break
     return err
 
 

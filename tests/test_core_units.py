@@ -167,3 +167,19 @@ def test_reduce_rows_matches_numpy(kind, dtype):
     out = np.empty(1000, dtype)
     _core.reduce_rows(kind, 0, out.ctypes.data, rows.ctypes.data, rows.strides[0], 4, 1000)
     assert np.array_equal(out, np.add.reduce(rows, axis=0))
+
+
+def test_probe_bits_of_local_ranks_from_64_on_are_never_read_nor_written():
+    """A control block holds one probe bit per local rank below 64; a rank from 64 on
+    (a shift past the word in C) is reported as unreadable and records nothing."""
+    from shmdist import layout
+    block = np.zeros(layout.CTL_BYTES // 8, np.uint64)
+    ctl = block.ctypes.data
+    _core.ctl_probed(ctl, 3, True)
+    _core.ctl_probed(ctl, 5, False)
+    for index in (64, 67, 69, 128, -1):
+        _core.ctl_probed(ctl, index, True)
+    assert int(block[layout.CTL_READS // 8]) == 1 << 3
+    assert int(block[layout.CTL_PROBED // 8]) == (1 << 3) | (1 << 5)
+    assert (_core.ctl_reads(ctl, 3), _core.ctl_reads(ctl, 5), _core.ctl_reads(ctl, 4)) == (True, False, None)
+    assert [_core.ctl_reads(ctl, i) for i in (64, 67, 128, -1)] == [False] * 4

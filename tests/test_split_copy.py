@@ -1,11 +1,13 @@
-"""Two members, big messages: all_reduce and broadcast as single copies
-straight between the two processes' arrays (comm/arena.py, "two members,
-single copies"): broadcast's root writes the first half into the other's
-array while the other reads the second half; all_reduce's members each
-reduce half of the elements, reading the other's chunk and writing the
-result back. From SHMDIST_SINGLE_COPY bytes, at least 1 MiB (all_reduce: above its
-one-phase size too), only where the probe at init let each reach the
-other's memory.
+"""Big messages as single copies straight between the members' arrays
+(comm/arena.py, "two members, single copies"). Two members: broadcast's
+root writes the first half into the other's array while the other reads
+the second half; all_reduce's members each reduce half of the elements,
+reading the other's chunk and writing the result back; from
+SHMDIST_SINGLE_COPY bytes, at least 1 MiB (all_reduce: above its one-phase
+size too). Three or more: a broadcast from 4 MiB is read in chunks from the
+root's array by each other member, the root writing chunks too where the
+readers outnumber its CPUs. Only where the probe at init let each reach the
+memory it copies from.
 
 Bit-exact results around the sizes where the path starts and where its
 chunks end, every dtype and op it takes, odd lengths, both roots, a pair
@@ -31,11 +33,12 @@ CHUNK = 256 << 10           # arena.SPLIT_CHUNK
 
 
 def count_copies():
-    """Count the single copies of at least 4 KiB this rank makes from now on (_core's two
-    functions, wrapped; the probe at init reads 8 bytes)."""
+    """Count the single copies of at least 4 KiB this rank makes from now on (_core's three
+    functions, wrapped; the probe at init reads 8 bytes): a chunked copy (cma_claim) counts
+    once per call, as a read or a write."""
     from shmdist import _core
     seen = {"read": 0, "write": 0}
-    read, write = _core.cma_read, _core.cma_write
+    read, write, claim = _core.cma_read, _core.cma_write, _core.cma_claim
 
     def counted_read(pid, dst, src, n):
         seen["read"] += n >= 4096
@@ -44,7 +47,11 @@ def count_copies():
     def counted_write(pid, dst, src, n):
         seen["write"] += n >= 4096
         return write(pid, dst, src, n)
-    _core.cma_read, _core.cma_write = counted_read, counted_write
+
+    def counted_claim(counter, chunks, chunk, pid, local, remote, n, writes, one):
+        seen["write" if writes else "read"] += n >= 4096
+        return claim(counter, chunks, chunk, pid, local, remote, n, writes, one)
+    _core.cma_read, _core.cma_write, _core.cma_claim = counted_read, counted_write, counted_claim
     return seen
 
 
@@ -276,3 +283,165 @@ def untouched(rank, world_size, init_method):
 
 def test_a_broadcast_into_pages_never_touched_is_right(run_ranks):
     assert run_ranks(untouched, 2, timeout=60) == [[True] * 3, [True] * 3]
+
+
+
+# ---------------------------------------------------------------- three or more members: broadcast read from the root
+
+DIRECT = 4 << 20           # arena.DIRECT_MIN (checked below)
+
+
+def test_the_direct_threshold_is_the_arenas():
+    from shmdist.comm import arena
+    assert arena.DIRECT_MIN == DIRECT
+
+
+def direct_cases(n: int) -> tuple[list[Case], int]:
+    """Broadcasts of ``n`` members on both sides of DIRECT_MIN, odd lengths, every root,
+    torch tensors strided or not; and how many of them each non-root member reads straight
+    from the root's array."""
+    cases, seed = [], 100
+    for count, dtype in ((DIRECT - 1, "uint8"), (DIRECT, "uint8"), (DIRECT + 4097, "uint8"),
+                         ((DIRECT + 12) // 4, "float32"), (((9 << 20) + 5) // 2, "bfloat16"),
+                         ((DIRECT >> 1) + 3, "float16")):
+        for root in range(n):
+            kind = "torch" if dtype == "bfloat16" or seed % 2 else "numpy"
+            layout = "strided" if seed % 3 == 0 else "contiguous"
+            cases.append(Case("broadcast", dtype, count, None, kind, layout, seed % 4 == 0, root=root, seed=seed))
+            seed += 1
+    cases = available(cases)
+    isz = {"uint8": 1, "float32": 4, "bfloat16": 2, "float16": 2}
+    return cases, sum(c.count * isz[c.dtype] >= DIRECT for c in cases)
+
+
+def pinned_cases_and_copies(rank, world_size, init_method, cases, members, cpus):
+    if cpus:        # every rank on the first CPU it may use: readers outnumber CPUs, the root helps
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    return cases_and_copies(rank, world_size, init_method, cases, members)
+
+
+@pytest.mark.parametrize("world,members,cpus", [(3, None, None), (4, None, None), (4, (0, 1, 3), None),
+                                                (3, None, 1)],
+                         ids=["world of 3", "world of 4", "3 of a world of 4", "world of 3 on one CPU"])
+def test_broadcast_of_more_members_reads_the_roots_array(run_ranks, world, members, cpus):
+    """Bit-exact everywhere; from DIRECT_MIN up, never below it, each member copies its
+    array's chunks from the root's in each call it is not root of, the root writes chunks
+    to the readers where they outnumber its CPUs; a rank outside the group never copies."""
+    n = world if members is None else len(members)
+    cases, taken = direct_cases(n)
+    results = run_ranks(pinned_cases_and_copies, world, cases, members, cpus, timeout=240)
+    members = list(range(world)) if members is None else list(members)
+    assert_all_good(results, members)
+    helps = n - 1 > (cpus or len(os.sched_getaffinity(0)))   # the root writes where readers outnumber CPUs
+    for r in members:
+        # each member is root of 1/n of the calls taken: it reads its own array once in each
+        # of the others, and as a root that helps offers to write into every reader's at least once
+        copies = results[r]["copies"]
+        assert copies["read"] == taken - taken // n, (r, copies, taken)
+        assert copies["write"] >= taken // n * (n - 1) if helps else copies["write"] == 0, (r, copies, taken)
+    for r in set(range(world)) - set(members):
+        assert results[r]["copies"] == {"read": 0, "write": 0}
+
+
+def direct_fallback(rank, world_size, init_method, how):
+    """Three members, a broadcast from each root at DIRECT_MIN + 5: ``how`` keeps them
+    from reading each other's memory, or (``fails``) makes rank 2's first read fail."""
+    from shmdist import _core
+    if how == "refused" and rank == 1:     # this rank's probe is refused, as under Yama or seccomp
+        _core.cma_read = lambda pid, dst, src, n: errno.EPERM
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    from shmdist.api import group
+    comm = group._world.default.coll
+    if how == "fails" and rank == 2:
+        real, calls = _core.cma_claim, [0]
+
+        def failing(*a):
+            calls[0] += 1
+            return errno.EFAULT if calls[0] == 1 else real(*a)
+        _core.cma_claim = failing
+    seen = count_copies()
+    n, out = DIRECT + 5, []
+    for root in range(world_size):
+        want = np.random.default_rng(root).integers(0, 256, n, dtype=np.uint8)
+        b = want.copy() if rank == root else np.empty(n, np.uint8)
+        dist.broadcast(b, src=root)
+        out.append(bool(np.array_equal(b, want)))
+    dist.destroy_process_group()
+    return out, comm.split, dict(seen)
+
+
+@pytest.mark.parametrize("how", ["knob", "refused", "fails"])
+def test_more_members_that_cannot_read_the_root_use_the_buffers(run_ranks, how):
+    env = {"SHMDIST_SINGLE_COPY": "0"} if how == "knob" else None
+    results = run_ranks(direct_fallback, 3, how, timeout=90, env=env)
+    for r, (out, split, copies) in enumerate(results):
+        assert out == [True] * 3, (r, out)
+        assert split is (None if how == "knob" else False), (r, split)    # the knob: never tried
+        # a copy that failed: rank 2's in the first broadcast (root 0), where rank 1 read too
+        reads = {"knob": 0, "refused": 0, "fails": 1 if r != 0 else 0}[how]
+        assert copies["read"] == reads and (copies["write"] == 0 or how == "fails" and r == 0), (r, copies)
+
+
+def direct_dies(rank, world_size, init_method, who, when):
+    """``who`` (the root, rank 0, or a reader, rank 2) dies (os._exit) at the call's first
+    phase, in its copies (the root makes some where its readers outnumber its CPUs: all
+    ranks on one CPU then), or at the last phase, having made them."""
+    if who == "root" and when == "during its copies":
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    dying = 0 if who == "root" else 2
+    if rank == dying:
+        from shmdist import _core
+        from shmdist.comm import arena
+        if when == "during its copies":
+            _core.cma_claim = lambda *a: os._exit(3)
+        else:
+            real, passes = arena.GroupComm._pass, [0]
+
+            def counting(self, what, timeout, *desc):
+                passes[0] += 1
+                if passes[0] == (1 if when == "at the first phase" else 2):
+                    os._exit(3)
+                return real(self, what, timeout, *desc)
+            arena.GroupComm._pass = counting
+    x = np.ones((DIRECT + 8) // 4, np.float32)
+    try:
+        dist.broadcast(x, src=0)
+        return "no error"
+    except dist.DistPeerError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("who,when", [(who, when) for who in ("root", "reader") for when in
+                                      ("at the first phase", "during its copies", "at the last phase")])
+def test_a_member_that_dies_inside_a_direct_broadcast_is_named(run_ranks, who, when):
+    """The group timeout is 60 s and the test's 30: the error comes from seeing the death."""
+    dying = 0 if who == "root" else 2
+    results = run_ranks(direct_dies, 3, who, when, timeout=30, errors="return")
+    assert results[dying].exitcode == 3
+    for r in set(range(3)) - {dying}:
+        assert "rank %d: broadcast" % r in results[r] and f"rank {dying} died" in results[r], (r, results[r])
+
+
+def root_reuses(rank, world_size, init_method):
+    """The root overwrites its array the moment broadcast returns: the readers hold
+    what it was (the root leaves only once every chunk is in), into pages never touched."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    n, ok = DIRECT * 2 + 3, []
+    mine = np.empty(n, np.uint8)
+    for k in range(4):
+        want = np.random.default_rng(k).integers(0, 256, n, dtype=np.uint8)
+        if rank == 0:
+            mine[:] = want
+            dist.broadcast(mine, src=0)
+            mine[:] = 0
+        else:
+            b = np.empty(n, np.uint8)
+            dist.broadcast(b, src=0)
+            ok.append(bool(np.array_equal(b, want)))
+    dist.destroy_process_group()
+    return ok
+
+
+def test_a_root_that_reuses_its_array_at_once_changes_no_readers_result(run_ranks):
+    assert run_ranks(root_reuses, 4, timeout=90) == [[]] + [[True] * 4] * 3

@@ -108,6 +108,12 @@ def open_group(world, key: str, ranks) -> "GroupComm":
 # copies, 512 KiB 38 against 51; at 1 MiB the split copies won, 78 against 89 (interleaved
 # benchmark runs, 2026-12-05), where point-to-point both ways at once gains from 64 KiB.
 PAIR_SPLIT_MIN = 1 << 20
+# Three or more members: a broadcast from this size on is read by every other member straight from the
+# root's array (_broadcast_direct), which saves the root's copy into the arena and the phases' waits.
+# 3 and 4 ranks on 2 cores, µs per call, 60 calls after 5 (two runs each, arena -> direct): 1 MiB
+# 190-210 -> 290-440 (not taken), 4 MiB 840-890 -> 600-800, 16 MiB 3270-3760 -> 1620-2900 (README).
+DIRECT_MIN = 4 << 20
+DIRECT_CHUNK = 256 << 10               # bytes of a reader's array copied at a time (_broadcast_direct)
 
 
 def _split_half(nbytes: int) -> int:
@@ -170,7 +176,7 @@ class GroupComm:
         self.packed: dict[tuple, bytes] = {}   # descriptors already packed, by call
         self.rows: dict[tuple, np.ndarray] = {}  # _rows views, by (parity, count, dtype)
         self.quick: dict[tuple, tuple | None] = {}   # quick_all_reduce plans, by (dtype, op)
-        self.split: bool | None = None    # False: the two members cannot reach each other's memory
+        self.split: bool | None = None    # False: the members cannot reach each other's memory
         self.split_min, = layout.PAIR_SINGLE.unpack_from(seg.mm, layout.PAIR_SINGLE_AT)   # the creator's
         self.scratch: np.ndarray | None = None   # where the other member's chunk is read (_all_reduce_split)
         self.small = min(SMALL_ALLREDUCE_PAIR if self.n == 2 else SMALL_ALLREDUCE, self.slot)
@@ -181,6 +187,7 @@ class GroupComm:
                                self.backoff, self.lock, _BARRIER, self.buffers[0][0], self.slot,
                                _PHASER_KINDS, KINDS.index("all_reduce"), KINDS.index("broadcast"))
         self.last_bdtype, self.last_bname = None, b""   # quick_broadcast's last dtype and its name
+        self.cpus = len(os.sched_getaffinity(0))          # CPUs this rank may use
 
     @property
     def phase(self) -> int:
@@ -341,15 +348,18 @@ class GroupComm:
         self._first_pass(f"{kind} (refused)", refused(kind), timeout)
 
     def broadcast(self, buf, root: int, timeout: float) -> None:
-        """Root streams through its buffers; the others copy out. Two members
-        with a big message copy half each, straight between their arrays."""
+        """Root streams through its buffers; the others copy out. A big
+        message goes straight between the arrays: two members copy half each,
+        more read all of it from the root's."""
         what = lambda: f"broadcast(src={self.ranks[root]}, {buf.describe()})"
         desc = ("broadcast", buf.nbytes, 0, root, buf.dtype, 0)
         if self._splits(buf.nbytes):
-            if self.me != root:     # the root writes the first half here (see _ring.pxi, _touch)
-                _core.touch(buf.addr, _split_half(buf.nbytes))
-            other = self._split_first(buf, what, desc, timeout)
-            if other is not None and self._broadcast_split(buf, root, other, what, timeout):
+            if self.me != root:     # the root writes (some of) it here: see _ring.pxi, _touch
+                _core.touch(buf.addr, _split_half(buf.nbytes) if self.n == 2 else buf.nbytes)
+            b = self.phase % 2
+            other = self._split_first(buf, what, desc, timeout, root)
+            if other is not None and (self._broadcast_split(buf, root, other, what, timeout) if self.n == 2
+                                      else self._broadcast_direct(buf, root, other, b, what, timeout)):
                 return
             desc = None         # the call's first phase has passed: the rounds follow it
         total, chunk = buf.nbytes, self.slot
@@ -370,40 +380,47 @@ class GroupComm:
 
     def _splits(self, nbytes: int) -> bool:
         """Whether a call moving ``nbytes`` may go as single copies between
-        two members (process_vm_readv/writev): from SHMDIST_SINGLE_COPY bytes, at
-        least PAIR_SPLIT_MIN, up (the creator's, layout.PAIR_SINGLE), unless the pair found it cannot: nothing
-        either member decides alone, so both take the same way."""
-        return self.n == 2 and self.split is not False and nbytes >= self.split_min > 0
+        the members' arrays (process_vm_readv/writev): two members from
+        SHMDIST_SINGLE_COPY bytes (the creator's, layout.PAIR_SINGLE), at
+        least PAIR_SPLIT_MIN; more (broadcast only) from DIRECT_MIN; never
+        with SHMDIST_SINGLE_COPY=0, nor once the members found they cannot:
+        nothing any member decides alone, so all take the same way."""
+        if self.split is False or self.split_min <= 0:
+            return False
+        return nbytes >= (self.split_min if self.n == 2 else max(self.split_min, DIRECT_MIN))
 
-    def _split_first(self, buf, what, desc, timeout: float) -> tuple | None:
-        """The first phase of a call the two members may do as single copies:
+    def _split_first(self, buf, what, desc, timeout: float, root: int = -1) -> tuple | None:
+        """The first phase of a call the members may do as single copies:
         publish (pid, address of the array) in this member's buffer, pass,
-        then the other's (pid, address), or None when either of the two may
-        not reach the other's memory (the probe at init, shm.py: EPERM under
-        Yama's ptrace scope, SHMDIST_SINGLE_COPY=0): both read the same two
-        answers once both are inside the call, so both decide alike, and the
-        pair takes the buffers from then on."""
+        then the (pid, address) of the member this one copies from (the other
+        of two; else the root), or None when a member that must reach
+        another's memory may not (the probe at init, shm.py: EPERM under
+        Yama's ptrace scope, SHMDIST_SINGLE_COPY=0). Every member reads the
+        same answers once all are inside the call, so all decide alike, and
+        the group takes the buffers from then on."""
         b = self.phase % 2
-        self._words(self._buf(self.me, b))[:] = (os.getpid(), buf.addr)
+        self._words(self._buf(self.me, b), 3)[:] = (os.getpid(), buf.addr, 0)   # 0: _broadcast_direct's counter
         self._first_pass(what, desc, timeout)
         host = self.world.host
-        mine, other = self.ranks[self.me], self.ranks[1 - self.me]
-        if not (_core.ctl_reads(host.ctls[mine], host.local_ranks.index(other)) is True and
-                _core.ctl_reads(host.ctls[other], host.local_ranks.index(mine)) is True):
+        at = host.local_ranks.index
+        # who reads whom: both ways between two; every other member the root's array
+        ways = ((0, 1), (1, 0)) if self.n == 2 else ((i, root) for i in range(self.n) if i != root)
+        if not all(_core.ctl_reads(host.ctls[self.ranks[i]], at(self.ranks[j])) is True for i, j in ways):
             self.split = False
             return None
-        pid, addr = (int(x) for x in self._words(self._buf(1 - self.me, b)))
+        source = 1 - self.me if self.n == 2 else root
+        pid, addr = (int(x) for x in self._words(self._buf(source, b)))
         return pid, addr
 
     def _split_end(self, err: int, what, timeout: float) -> int:
         """The last phase of a call done as single copies: publish this
         member's errno (0: its copies went), pass, and return the first
-        nonzero of the two (the other's copies into this member's array
+        nonzero of all members' (the others' copies into this member's array
         included)."""
         b = self.phase % 2
         self._words(self._buf(self.me, b))[0] = err
         self._pass(what, timeout)
-        return err or int(self._words(self._buf(1 - self.me, b))[0])
+        return err or next((e for e in (int(self._words(self._buf(i, b))[0]) for i in range(self.n)) if e), 0)
 
     def _broadcast_split(self, buf, root: int, other: tuple, what, timeout: float) -> bool:
         """Broadcast between two members as two single copies at once: the
@@ -418,6 +435,46 @@ class GroupComm:
             err = _core.cma_read(pid, buf.addr + half, addr + half, buf.nbytes - half)
         if self._split_end(err, what, timeout):
             self.split = False      # (both saw it: the pair takes the buffers from now on, alike)
+            return False
+        return True
+
+    def _broadcast_direct(self, buf, root: int, other: tuple, b: int, what, timeout: float) -> bool:
+        """Broadcast among three or more members straight from the root's
+        array, which is never copied into the arena: each reader's array is
+        cut into DIRECT_CHUNK chunks, claimed from a counter in the reader's
+        buffer ``b`` (written with its pid and address at the first phase) by
+        the reader, which reads them from the root's array (process_vm_readv),
+        and, where the readers outnumber the root's CPUs, by the root, which
+        writes them (process_vm_writev) round the readers, so a reader the
+        scheduler leaves waiting is served by the root (with a CPU per reader
+        the root's writes only take time from them). Everyone leaves at the
+        last phase, when every chunk is in. False when a copy failed: the
+        root's array is as it was, and the rounds redo the call for every
+        member."""
+        nbytes = buf.nbytes
+        chunks = -(-nbytes // DIRECT_CHUNK)
+        err = 0
+        if self.me != root:
+            pid, addr = other
+            err = max(0, _core.cma_claim(self._buf(self.me, b) + 16, chunks, DIRECT_CHUNK, pid, buf.addr, addr,
+                                         nbytes, False, False))
+        else:
+            readers = []    # (the root helps only where some reader may wait for a CPU: else it slows them)
+            for i in range(self.n if self.n - 1 > self.cpus else 0):
+                if i != root:
+                    pid, addr = (int(x) for x in self._words(self._buf(i, b)))
+                    readers.append((self._buf(i, b) + 16, pid, addr))
+            while readers and not err:
+                for r in list(readers):
+                    counter, pid, addr = r
+                    e = _core.cma_claim(counter, chunks, DIRECT_CHUNK, pid, buf.addr, addr, nbytes, True, True)
+                    if e < 0:
+                        readers.remove(r)
+                    elif e:
+                        err = e
+                        break
+        if self._split_end(err, what, timeout):
+            self.split = False      # (all saw it: the group takes the buffers from now on, alike)
             return False
         return True
 
@@ -460,8 +517,8 @@ class GroupComm:
                 f"memory ({os.strerror(err)}); the tensor holds a partly reduced result. The group goes "
                 "on through its shared buffers (set SHMDIST_SINGLE_COPY=0 to use them from the start)")
 
-    def _words(self, addr: int) -> np.ndarray:
-        return self._view(addr, 2, _U64)
+    def _words(self, addr: int, count: int = 2) -> np.ndarray:
+        return self._view(addr, count, _U64)
 
     def quick_barrier(self, timeout: float, how: int | None = None) -> bool:
         """The whole barrier in one C call when the others are already there
@@ -562,7 +619,7 @@ class GroupComm:
         n, me, dtype = self.n, self.me, arr.dtype
         isz = dtype.itemsize
         count = arr.size
-        if root < 0 and buf.nbytes > self.small and self._splits(buf.nbytes):
+        if root < 0 and n == 2 and buf.nbytes > self.small and self._splits(buf.nbytes):
             plan = self.ph.plan(dtype, op, buf.dtype)     # (nothing here may differ between the two)
             if plan is not None:
                 other = self._split_first(buf, what, desc, timeout)
