@@ -50,6 +50,7 @@ enum {
     SD_RING_MIN_BYTES = 4096,
     SD_SLOT_STRIDE = 256,
     SD_SLOT_PHASE = 0,
+    SD_SLOT_CHECK = 8,
     SD_SLOT_DESC = 64,
     SD_DESC_BYTES = 64,
     SD_DESC_WORDS = 8,

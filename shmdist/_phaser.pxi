@@ -7,14 +7,30 @@ cdef enum:
     GIL_SPIN = 64       # pauses a member spins for the others with the GIL held, before releasing it
 
 
+cdef inline uint64_t _check_word(const uint64_t *desc, size_t words, uint64_t calls) noexcept nogil:
+    """A call's check word: its number and its descriptor's words mixed, each step a
+    bijection of the state (xor a word, multiply by an odd constant, xor-shift), so two
+    calls that differ in their number or in any one word of the descriptor never share
+    it; other differences share it with a chance of about 2**-64. A member writes it
+    beside its phase counter, so that a call whose members' words are equal needs no
+    read of their descriptors' cache lines (30 % of a 2-member barrier)."""
+    cdef uint64_t h = calls * <uint64_t>0x9E3779B97F4A7C15ULL
+    cdef size_t i
+    for i in range(words):
+        h = (h ^ desc[i]) * <uint64_t>0xFF51AFD7ED558CCDULL
+        h ^= h >> 32
+    return h
+
+
 cdef class Phaser:
     """The phases of one group's arena, as seen by one member: its counters
     (``phase``: phases entered; ``calls``: collectives started), entering a
     phase in one call, and the whole of a barrier or a small all_reduce when
     the other members are already there.
 
-    Control slot of member i at ``flags + i * stride``: its phase (u64) at 0
-    and the descriptors of its last two calls at 64 and 128. Data buffers:
+    Control slot of member i at ``flags + i * stride``: its phase (u64) at 0,
+    its last call's check word at 8, and the descriptors of its last two
+    calls at 64 and 128. Data buffers:
     member i's buffer of parity b at ``bufs + (2 i + b) * slot``.
     """
 
@@ -47,11 +63,14 @@ cdef class Phaser:
         cdef Py_ssize_t i
         cdef long k, spin = self.backoff.spin, yields = self.backoff.yields
         cdef int done = SD_NOT_YET, n = self.n
-        cdef uint64_t target
+        cdef uint64_t target, check = 0
+        cdef bint same
         if desc != NULL:
             at = SD_SLOT_DESC + SD_DESC_BYTES * (self.calls % 2)
             self.calls += 1
             memcpy(mine + at, desc, nd)
+            check = _check_word(<const uint64_t *>desc, nd // 8, self.calls)
+            sd_store64(<uint64_t *>(mine + SD_SLOT_CHECK), check)    # before the phase, as the descriptor
         self.phase += 1
         target = self.phase
         sd_store64(<uint64_t *>mine, target)
@@ -97,10 +116,19 @@ cdef class Phaser:
         if done != SD_DONE_SPINNING or self.backoff.spin < self.backoff.most:
             self.backoff.update(done or SD_DONE)    # not caught while spinning: spin less next time
         if done and nd:
-            for i in range(1, n):
-                if memcmp(f + at, f + i * self.stride + at, nd):
-                    done = SD_DIFFER
-                    break
+            # every member's check word equal to this one's: the same call (the common case,
+            # read from the lines just polled); else compare the descriptors themselves (a
+            # member may already have started its next call: its check word is that one's)
+            same = nd % 8 == 0
+            i = 0
+            while same and i < n:
+                same = sd_load64(<const uint64_t *>(f + i * self.stride + SD_SLOT_CHECK)) == check
+                i += 1
+            if not same:
+                for i in range(1, n):
+                    if memcmp(f + at, f + i * self.stride + at, nd):
+                        done = SD_DIFFER
+                        break
         if done != SD_DONE_SPINNING and done != SD_DONE and self.tseq:
             sd_tr_undone(self.tseq, SD_TR_POSTED if done == SD_DIFFER else SD_TR_WAITING)
         return done

@@ -101,6 +101,7 @@ PAIR_SINGLE_AT = PARAMS_AT + PARAMS.size
 
 SLOT_STRIDE = 256
 SLOT_PHASE = 0                # uint64: phases this member entered
+SLOT_CHECK = 8                # uint64: its last call's check word (_phaser.pxi, _check_word), beside the phase
 SLOT_DESC = 64                # descriptor of parity p at SLOT_DESC + p * DESC_BYTES
 # The call descriptor every member publishes and compares:
 # 0 (reserved), kind, payload bytes, ReduceOp code, root (global rank, -1 none), dtype, extra
@@ -234,7 +235,7 @@ def c_constants() -> dict[str, int]:
         "SD_RING_HELP_NEXT": RING_HELP_NEXT, "SD_RING_HELP_DONE": RING_HELP_DONE,
         "SD_HELP_CHUNK": HELP_CHUNK, "SD_HELP_BIG": HELP_BIG,
         "SD_RING_MIN_BYTES": RING_MIN_BYTES,
-        "SD_SLOT_STRIDE": SLOT_STRIDE, "SD_SLOT_PHASE": SLOT_PHASE, "SD_SLOT_DESC": SLOT_DESC,
+        "SD_SLOT_STRIDE": SLOT_STRIDE, "SD_SLOT_PHASE": SLOT_PHASE, "SD_SLOT_CHECK": SLOT_CHECK, "SD_SLOT_DESC": SLOT_DESC,
         "SD_DESC_BYTES": DESC_BYTES, "SD_DESC_WORDS": DESC_WORDS, "SD_DESC_KIND": DESC_KIND,
         "SD_DESC_NBYTES": DESC_NBYTES, "SD_DESC_OP": DESC_OP, "SD_DESC_ROOT": DESC_ROOT,
         "SD_DESC_DTYPE": DESC_DTYPE, "SD_DESC_EXTRA": DESC_EXTRA,
