@@ -15,13 +15,14 @@ rank's CPU; read from the root's array, 1.6-1.9 ms (README, Benchmarks,
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
-import socket
 import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spawned import spawned  # noqa: E402
 
 
 def _bytes(text: str) -> int:
@@ -49,27 +50,12 @@ def main() -> None:
     world_size = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     nbytes = _bytes(sys.argv[2]) if len(sys.argv) > 2 else 16 << 20
     calls = int(sys.argv[3]) if len(sys.argv) > 3 else 60
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, world_size, init_method, nbytes, calls, out))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
+    with spawned(rank_main, world_size, nbytes, calls) as out:
         rows = sorted(out.get(timeout=300) for _ in range(world_size))
         for rank, wall, user, system in rows:
             print(f"rank {rank}: broadcast {nbytes} B, {world_size} ranks, {os.cpu_count()} CPUs: "
                   f"{wall * 1e3:6.2f} ms a call, CPU {(user + system) * 1e3:5.2f} ms "
                   f"(user {user * 1e3:.2f}, system {system * 1e3:.2f})", flush=True)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join()
 
 
 if __name__ == "__main__":

@@ -9,14 +9,15 @@ the process) over the wall time is printed as a share of one core.
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import resource
-import socket
 import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spawned import spawned  # noqa: E402
 
 
 def _cpu() -> float:
@@ -50,26 +51,11 @@ def rank_main(rank, world_size, init_method, seconds, out):
 def main() -> None:
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 10.0
     world_size = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, world_size, init_method, seconds, out))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
+    with spawned(rank_main, world_size, seconds, join_s=seconds + 60) as out:
         for _ in range(2):
             how, cpu, wall = out.get(timeout=3 * seconds + 120)
             print(f"idle {how:8s} {world_size} ranks, {os.cpu_count()} CPUs: {cpu * 1000:7.1f} ms CPU in "
                   f"{wall:6.2f} s blocked = {100 * cpu / wall:5.2f} % of a core", flush=True)
-    finally:
-        for p in procs:
-            p.join(seconds + 60)
-            if p.is_alive():
-                p.kill()
-                p.join()
 
 
 if __name__ == "__main__":

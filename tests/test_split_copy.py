@@ -205,25 +205,32 @@ def test_a_copy_that_fails_mid_call_is_redone_or_said(run_ranks, coll, which):
                 "SHMDIST_SINGLE_COPY=0" in said and os.strerror(errno.EFAULT) in said, (r, said)
 
 
+def exit_at(when: str, copies: tuple) -> None:
+    """This rank exits (os._exit(3)) at its next call's first phase, in its single copies
+    (the _core functions named), or at the call's second phase."""
+    from shmdist import _core
+    from shmdist.comm import arena
+    if when == "during its copies":
+        for name in copies:
+            setattr(_core, name, lambda *a: os._exit(3))
+        return
+    real, passes = arena.GroupComm._pass, [0]
+
+    def counting(self, what, timeout, *desc):
+        passes[0] += 1
+        if passes[0] == (1 if when == "at the first phase" else 2):
+            os._exit(3)
+        return real(self, what, timeout, *desc)
+    arena.GroupComm._pass = counting
+
+
 def dies_inside(rank, world_size, init_method, coll, when):
     """Rank 1 dies (os._exit) at its first phase, at its first single copy, or at the
     call's last phase, having made its copies."""
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     n = 8 << 20
     if rank == 1:
-        from shmdist import _core
-        from shmdist.comm import arena
-        if when == "during its copies":
-            _core.cma_read = _core.cma_write = lambda *a: os._exit(3)
-        else:
-            real, passes = arena.GroupComm._pass, [0]
-
-            def counting(self, what, timeout, *desc):
-                passes[0] += 1
-                if passes[0] == (1 if when == "at the first phase" else 2):
-                    os._exit(3)
-                return real(self, what, timeout, *desc)
-            arena.GroupComm._pass = counting
+        exit_at(when, ("cma_read", "cma_write"))
     x = np.ones(n // 4, np.float32)
     try:
         if coll == "broadcast":
@@ -391,19 +398,7 @@ def direct_dies(rank, world_size, init_method, who, when):
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
     dying = 0 if who == "root" else 2
     if rank == dying:
-        from shmdist import _core
-        from shmdist.comm import arena
-        if when == "during its copies":
-            _core.cma_claim = lambda *a: os._exit(3)
-        else:
-            real, passes = arena.GroupComm._pass, [0]
-
-            def counting(self, what, timeout, *desc):
-                passes[0] += 1
-                if passes[0] == (1 if when == "at the first phase" else 2):
-                    os._exit(3)
-                return real(self, what, timeout, *desc)
-            arena.GroupComm._pass = counting
+        exit_at(when, ("cma_claim",))
     x = np.ones((DIRECT + 8) // 4, np.float32)
     try:
         dist.broadcast(x, src=0)
