@@ -114,6 +114,7 @@ PAIR_SPLIT_MIN = 1 << 20
 # 190-210 -> 290-440 (not taken), 4 MiB 840-890 -> 600-800, 16 MiB 3270-3760 -> 1620-2900 (README).
 DIRECT_MIN = 4 << 20
 DIRECT_CHUNK = 256 << 10               # bytes of a reader's array copied at a time (_broadcast_direct)
+_COUNTER_AT = 16                       # in a member's buffer: its chunk counter, after pid and address
 
 
 def _split_half(nbytes: int) -> int:
@@ -399,7 +400,7 @@ class GroupComm:
         same answers once all are inside the call, so all decide alike, and
         the group takes the buffers from then on."""
         b = self.phase % 2
-        self._words(self._buf(self.me, b), 3)[:] = (os.getpid(), buf.addr, 0)   # 0: _broadcast_direct's counter
+        self._words(self._buf(self.me, b), 3)[:] = (os.getpid(), buf.addr, 0)   # 0: the counter at _COUNTER_AT
         self._first_pass(what, desc, timeout)
         host = self.world.host
         at = host.local_ranks.index
@@ -420,7 +421,9 @@ class GroupComm:
         b = self.phase % 2
         self._words(self._buf(self.me, b))[0] = err
         self._pass(what, timeout)
-        return err or next((e for e in (int(self._words(self._buf(i, b))[0]) for i in range(self.n)) if e), 0)
+        for i in range(self.n):
+            err = err or int(self._words(self._buf(i, b))[0])
+        return err
 
     def _broadcast_split(self, buf, root: int, other: tuple, what, timeout: float) -> bool:
         """Broadcast between two members as two single copies at once: the
@@ -456,14 +459,14 @@ class GroupComm:
         err = 0
         if self.me != root:
             pid, addr = other
-            err = max(0, _core.cma_claim(self._buf(self.me, b) + 16, chunks, DIRECT_CHUNK, pid, buf.addr, addr,
-                                         nbytes, False, False))
-        else:
-            readers = []    # (the root helps only where some reader may wait for a CPU: else it slows them)
-            for i in range(self.n if self.n - 1 > self.cpus else 0):
+            err = max(0, _core.cma_claim(self._buf(self.me, b) + _COUNTER_AT, chunks, DIRECT_CHUNK, pid,
+                                         buf.addr, addr, nbytes, False, False))
+        elif self.n - 1 > self.cpus:    # the root helps only where a reader may wait for a CPU (else it slows them)
+            readers = []
+            for i in range(self.n):
                 if i != root:
                     pid, addr = (int(x) for x in self._words(self._buf(i, b)))
-                    readers.append((self._buf(i, b) + 16, pid, addr))
+                    readers.append((self._buf(i, b) + _COUNTER_AT, pid, addr))
             while readers and not err:
                 for r in list(readers):
                     counter, pid, addr = r
