@@ -26,19 +26,11 @@ import pytest
 import shmdist as dist
 from test_collectives import HAVE_TORCH, Case, assert_all_good, available, run_cases
 
+pytestmark = pytest.mark.usefixtures("single_copy_set")   # the paths below taken on any machine
 THRESHOLD = 1 << 20        # arena.PAIR_SPLIT_MIN: SHMDIST_SINGLE_COPY below it counts as it
 ENV = {"SHMDIST_SINGLE_COPY": str(64 << 10)}
 PAIR_SMALL = 512 << 10      # arena.SMALL_ALLREDUCE_PAIR: all_reduce up to this stays one phase
 CHUNK = 256 << 10           # arena.SPLIT_CHUNK
-
-
-@pytest.fixture(autouse=True)
-def threshold_set(monkeypatch):
-    """SHMDIST_SINGLE_COPY set to its default, for every rank these tests start: left unset,
-    a machine where single copies measure slow raises the threshold to 16 MiB, and the paths
-    below would not be taken (test_both_members_take_the_creators_threshold)."""
-    from shmdist import settings
-    monkeypatch.setenv("SHMDIST_SINGLE_COPY", str(settings.SETTINGS["SHMDIST_SINGLE_COPY"].default))
 
 
 def count_copies():
@@ -299,66 +291,6 @@ def untouched(rank, world_size, init_method):
 
 def test_a_broadcast_into_pages_never_touched_is_right(run_ranks):
     assert run_ranks(untouched, 2, timeout=60) == [[True] * 3, [True] * 3]
-
-
-# ---------------------------------------------------------------- where a single copy is slow: the floor measured
-
-SLOW = 16 << 20             # arena.SLOW_SPLIT_MIN
-
-
-def test_the_floor_follows_the_measured_copy_speeds(monkeypatch):
-    from shmdist import _core
-    from shmdist.comm import arena
-    assert (arena.PAIR_SPLIT_MIN, arena.SLOW_SPLIT_MIN, arena.CMA_SLOWER_MAX) == (THRESHOLD, SLOW, 2.0)
-    # (single copy's seconds, memcpy's): up to twice memcpy's time keeps the 1 MiB floor
-    assert [arena._floor_for(t) for t in ((1e-4, 1e-4), (2e-4, 1e-4), (2.01e-4, 1e-4), (8.5e-5, 2.1e-5))] \
-        == [THRESHOLD, THRESHOLD, SLOW, SLOW]
-    assert arena._floor_for(None) == THRESHOLD          # a read refused: the probe at init decides
-    cma, copy = arena._copy_times()                     # a real measure: two times, no verdict asserted
-    assert 0 < cma < 1 and 0 < copy < 1
-    monkeypatch.setattr(_core, "cma_read", lambda pid, dst, src, n: errno.EPERM)
-    assert arena._copy_times() is None
-    # the threshold the creator publishes: as set (at least 1 MiB), or unset, the measured floor
-    monkeypatch.setattr(arena, "_split_floor", SLOW)
-    assert [arena._split_from(v) for v in (0, 64 << 10, 32 << 20, None)] == [0, THRESHOLD, 32 << 20, SLOW]
-    monkeypatch.setattr(arena, "_split_floor", THRESHOLD)
-    assert arena._split_from(None) == THRESHOLD
-
-
-def measured_floors(rank, world_size, init_method, floors, setting):
-    """Each rank's measure pinned to floors[rank], as if its machine had given it; the knob
-    unset, or set to ``setting``. The pair's threshold, then per size whether a broadcast and
-    an all_reduce came out right and whether this rank made single copies for them."""
-    os.environ.pop("SHMDIST_SINGLE_COPY", None)
-    if setting is not None:
-        os.environ["SHMDIST_SINGLE_COPY"] = str(setting)
-    from shmdist.comm import arena
-    arena._split_floor = floors[rank]
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
-    from shmdist.api import group
-    threshold = group._world.default.coll.split_min
-    seen = count_copies()
-    out = {}
-    for n in (4 << 20, SLOW):
-        before = seen["read"] + seen["write"]
-        b = np.arange(n, dtype=np.uint8) if rank == 0 else np.zeros(n, np.uint8)
-        dist.broadcast(b, src=0)
-        x = np.full(n // 4, rank + 1, np.float32)
-        dist.all_reduce(x)
-        out[n] = (bool(np.array_equal(b, np.arange(n, dtype=np.uint8))), bool((x == 3).all()),
-                  seen["read"] + seen["write"] > before)
-    dist.destroy_process_group()
-    return threshold, out
-
-
-@pytest.mark.parametrize("floors,setting,threshold", [
-    ((SLOW, THRESHOLD), None, SLOW), ((THRESHOLD, SLOW), None, THRESHOLD), ((SLOW, SLOW), 64 << 10, THRESHOLD)],
-    ids=["creator measured slow", "creator measured fast", "set in the environment"])
-def test_both_members_take_the_creators_threshold(run_ranks, floors, setting, threshold):
-    results = run_ranks(measured_floors, 2, floors, setting, timeout=90)
-    for r, (got, out) in enumerate(results):
-        assert got == threshold, (r, got)
-        assert out == {4 << 20: (True, True, threshold <= 4 << 20), SLOW: (True, True, True)}, (r, out)
 
 
 # ---------------------------------------------------------------- three or more members: broadcast read from the root

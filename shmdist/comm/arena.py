@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 
 from shmdist import _core, layout, settings
-from shmdist.transport import segment
+from shmdist.transport import copyspeed, segment
 from shmdist.api.fast import paths as _fast
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
 from shmdist.layout import ALL_ROUNDS_DONE, BROKEN, DIFFER, DONE, NOT_TAKEN, NOT_YET
@@ -117,69 +117,23 @@ DIRECT_CHUNK = 256 << 10               # bytes of a reader's array copied at a t
 _COUNTER_AT = 16                       # in a member's buffer: its chunk counter, after pid and address
 
 
-# Where process_vm_readv runs far slower than memcpy, the arena wins as far up as the split was
-# measured to lose. 1 MiB read in 256 KiB pieces against one memcpy of it, in one process: the 2-core
-# VM of 2026-12-06 evening 83-87 against 21-23 us (3.7-3.9 times); the VM of that morning, where the
-# split was chosen, copied 1 MiB between processes at 18.4 GB/s and with numpy at 19.6 (bench's
-# memcpy column), about 1.1 times. On the slow one, three interleaved runs each way: two members,
+# Where a single copy is slow (transport/copyspeed.py), the arena wins as far up as the split was
+# measured to lose. On such a VM (2026-12-06 evening), three interleaved runs each way: two members,
 # all_reduce 2-8 MiB 140-657 us through the arena against 221-1470 split, broadcast up to 4 MiB 70-149
 # against 117-199; three members, broadcast 4 MiB 300-333 against 554-691 read from the root; from
 # 16 MiB up the ways drew (README, Benchmarks, "When a single copy is slow"). There a pair splits
 # from SLOW_SPLIT_MIN only.
 SLOW_SPLIT_MIN = 16 << 20
-CMA_SLOWER_MAX = 2.0       # CMA this many times memcpy's time or less counts as keeping up
-_PROBE_BYTES = 1 << 20
-_split_floor: int | None = None   # this process's measure (_measured_floor), once taken
 
 
 def _split_from(single: int | None) -> int:
     """The size the pair's collectives go as single copies from, that the
     creator publishes (layout.PAIR_SINGLE): SHMDIST_SINGLE_COPY as set, at
-    least PAIR_SPLIT_MIN; unset, its default above the floor this machine's
-    copy speeds give (_measured_floor); 0 never."""
+    least PAIR_SPLIT_MIN; unset, SLOW_SPLIT_MIN where a single copy is slow
+    here (measured once per process), else PAIR_SPLIT_MIN; 0 never."""
     if single is None:
-        return max(settings.SETTINGS["SHMDIST_SINGLE_COPY"].default, _measured_floor())
+        return SLOW_SPLIT_MIN if copyspeed.slow() else PAIR_SPLIT_MIN
     return max(single, PAIR_SPLIT_MIN) if single > 0 else 0
-
-
-def _measured_floor() -> int:
-    """PAIR_SPLIT_MIN where a single copy keeps up with memcpy here
-    (_floor_for), else SLOW_SPLIT_MIN; measured once per process, by the
-    creator of a group's arena (about 2 ms)."""
-    global _split_floor
-    if _split_floor is None:
-        _split_floor = _floor_for(_copy_times())
-    return _split_floor
-
-
-def _floor_for(times: tuple[float, float] | None) -> int:
-    """The floor for (single copy's time, memcpy's time) of the same bytes;
-    None (a read refused, as under seccomp) keeps PAIR_SPLIT_MIN: the probe at
-    init keeps such a pair off single copies anyway."""
-    if times is None or times[0] <= CMA_SLOWER_MAX * times[1]:
-        return PAIR_SPLIT_MIN
-    return SLOW_SPLIT_MIN
-
-
-def _copy_times() -> tuple[float, float] | None:
-    """Seconds to read 1 MiB from this very process with process_vm_readv
-    in the split's 256 KiB pieces, and to memcpy it: each timed 6 times,
-    interleaved, best of each (the first warms the pages). None when a
-    read is refused."""
-    src = np.ones(_PROBE_BYTES, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    pid, at, to = os.getpid(), src.ctypes.data, dst.ctypes.data
-    cma = copy = float("inf")
-    for _ in range(6):
-        t = time.perf_counter()
-        for off in range(0, _PROBE_BYTES, SPLIT_CHUNK):
-            if _core.cma_read(pid, to + off, at + off, SPLIT_CHUNK):
-                return None
-        cma = min(cma, time.perf_counter() - t)
-        t = time.perf_counter()
-        _core.copy(to, at, _PROBE_BYTES)
-        copy = min(copy, time.perf_counter() - t)
-    return cma, copy
 
 
 def _split_half(nbytes: int) -> int:
