@@ -26,8 +26,6 @@ import shmdist as dist
 from shmdist import settings
 from shmdist.transport.engine import ONE_WAY_SINGLE_MIN
 
-pytestmark = pytest.mark.usefixtures("single_copy_set")   # single copies sent on any machine
-
 MiB = 1 << 20
 SINGLE = settings.SETTINGS["SHMDIST_SINGLE_COPY"].default   # the default threshold
 

@@ -21,8 +21,6 @@ import pytest
 import shmdist as dist
 from shmdist import layout
 
-pytestmark = pytest.mark.usefixtures("single_copy_set")   # single copies sent on any machine
-
 CHUNK, BIG = layout.HELP_CHUNK, layout.HELP_BIG
 SIZES = (2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1, 5 * CHUNK + 13, BIG - 1, BIG, BIG + 1,
          BIG + 2 * CHUNK + 7, (3 << 20) + 5, (17 << 20) + 3)

@@ -22,8 +22,6 @@ import pytest
 import shmdist as dist
 from shmdist.transport.engine import ONE_WAY_SINGLE_MIN
 
-pytestmark = pytest.mark.usefixtures("single_copy_set")   # single copies sent on any machine
-
 THRESHOLD = 64 << 10
 ENV = {"SHMDIST_SINGLE_COPY": str(THRESHOLD), "SHMDIST_RING_BYTES": str(THRESHOLD)}
 SIZES = (THRESHOLD - 64, THRESHOLD - 1, THRESHOLD, THRESHOLD + 1, THRESHOLD + 4096, 3 << 20)

@@ -14,8 +14,6 @@ import pytest
 import shmdist as dist
 from test_p2p_single_copy import ENV, pattern
 
-pytestmark = pytest.mark.usefixtures("single_copy_set")   # single copies sent on any machine
-
 N = 2 << 20
 
 

@@ -5,11 +5,13 @@ sender's memory) saves a copy per byte over a ring or an arena, which copy
 twice through shared memory, but pays the kernel's work per page. On the
 2-core VM where shmdist was tuned both ran at one speed; on another VM of
 the same kind (2026-12-06, evening) 1 MiB read in 256 KiB pieces took 83-87
-us against 21-23 us for one memcpy of it, and the copies through shared
-memory won almost everywhere (README, Benchmarks, "When a single copy is
-slow"). ``slow()`` measures that once per process; the engine then sends no
-single copies and a group's arena takes them only from 16 MiB, unless
-SHMDIST_SINGLE_COPY is set.
+us against 21-23 us for one memcpy of it, and a group's arena beat its
+single copies below 16 MiB (README, Benchmarks, "When a single copy is
+slow"). ``slow()`` measures that once per process; a group's creator then
+publishes 16 MiB as where its members copy between their arrays, unless
+SHMDIST_SINGLE_COPY is set. Point-to-point keeps its single copies: the
+rings beat them there too in quiet hours, but fell 5-10 times in others,
+where the single copies held.
 """
 from __future__ import annotations
 

@@ -15,8 +15,7 @@ tag) holds. There is no progress thread: every call into the engine and
 every wait moves all pending operations forward, so two ranks that both
 send before they receive do not deadlock.
 
-Single copy (none, with SHMDIST_SINGLE_COPY unset, where copyspeed.py finds
-single copies slow here): a message of at least SHMDIST_SINGLE_COPY bytes to a local
+Single copy: a message of at least SHMDIST_SINGLE_COPY bytes to a local
 peer, while a receive from that peer is pending here (both ways at once) or, one
 way, when it is bigger than the ring or of at least ONE_WAY_SINGLE_MIN bytes,
 goes as a small record instead (the fast lane,
@@ -59,7 +58,6 @@ from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTime
 from shmdist.layout import DONE, HEADER as HDR, MAGIC, MAX_DIMS, VERSION   # the record header (layout.py)
 from shmdist.layout import HDR_SINGLE_COPY, HELPING, SINGLE_COPY
 from shmdist.request import DistributedRequest
-from shmdist.transport import copyspeed
 from shmdist.tensors import as_buf, describe
 
 LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
@@ -164,11 +162,8 @@ class Engine:
             self.transport_of.update(dict.fromkeys(t.out, t))
         self.chan_out = chan_out          # global rank -> channel we produce into
         # single copy: local peers that may read this rank's memory take big messages from it
+        self.single_min = settings.get("SHMDIST_SINGLE_COPY")
         self.single_by = {r: t for t in transports if hasattr(t, "single_copy_to") for r in t.out}
-        self.single_min = settings.get("SHMDIST_SINGLE_COPY", None)
-        if self.single_min is None:       # unset: none where a single copy is slow here (copyspeed.py)
-            self.single_min = 0 if self.single_by and copyspeed.slow() else \
-                settings.SETTINGS["SHMDIST_SINGLE_COPY"].default
         self.single = {}                  # local peer -> smallest message it reads itself (once known)
         self.pid = os.getpid()
         self.chan_in = list(chan_in.items())   # (global rank, channel we consume)
