@@ -25,6 +25,7 @@ def test_the_verdict_and_the_measure(monkeypatch):
     from shmdist.comm import arena
     from shmdist.transport import copyspeed
     assert (arena.PAIR_SPLIT_MIN, arena.SLOW_SPLIT_MIN, copyspeed.SLOWER_MAX) == (THRESHOLD, SLOW, 2.0)
+    assert copyspeed.PROBE_PIECE == arena.SPLIT_CHUNK        # it times the pieces the split reads
     assert settings.SETTINGS["SHMDIST_SINGLE_COPY"].default == DEFAULT
     # (single copy's seconds, memcpy's): up to twice memcpy's time keeps up
     assert [copyspeed.too_slow(t) for t in ((1e-4, 1e-4), (2e-4, 1e-4), (2.01e-4, 1e-4), (8.5e-5, 2.1e-5))] \
