@@ -12,9 +12,7 @@ at once, each core has its own copy to make and one copy per byte halves the
 work. So shmdist uses it (transport/engine.py, "single copy") for messages of
 at least SHMDIST_SINGLE_COPY bytes that the ring cannot take whole at once,
 one way those bigger than the ring (or from 1 MiB inside a window), and any size while a
-receive from the peer is pending. Where CMA measures slow (over twice memcpy's time, as on
-the VM of 2026-12-06 evening: 5.6-8.2 GB/s against 19.4 at 16 MiB), a group's two-member
-collectives take single copies only from 16 MiB (shmdist/transport/copyspeed.py).
+receive from the peer is pending.
 """
 import ctypes
 import os

@@ -64,9 +64,7 @@ SETTINGS = {s.name: s for s in (
             "the receiver reads it from the sender's memory (process_vm_readv) "
             "where it may; two-member broadcast and all_reduce copy between the arrays from this size, "
             "at least 1 MiB, a broadcast of three or more members is read from the root's array from "
-            "4 MiB; unset, those two start at 16 MiB where the group's creator measures single copies "
-            "at over twice memcpy's time (once per process, transport/copyspeed.py); 0 never "
-            "(engine.py, _lane.pxi, comm/arena.py)"),
+            "4 MiB; 0 never (engine.py, _lane.pxi, comm/arena.py)"),
     Setting("SHMDIST_ARENA_BYTES", 1 << 20, _multiple_of_page("SHMDIST_ARENA_BYTES"),
             "bytes of each of the two buffers per member in a group's collective arena"),
     Setting("SHMDIST_ROUND_BYTES", 512 << 10, _multiple_of_page("SHMDIST_ROUND_BYTES"),

@@ -7,9 +7,6 @@
 
 ``no_fast_paths``  turns every fast path off (SHMDIST_FAST=0), in the ranks too.
 
-``single_copy_set``  SHMDIST_SINGLE_COPY set to its default, so that a pair's collectives
-               copy between arrays from 1 MiB even where this machine's copy speeds say 16.
-
 ``--torch-parts``  runs only the tests whose outcome can depend on torch being
                installed: the torch modules, the pretend hosts (gloo is the leg
                between hosts with torch), every TCP-transport case (each rank its own
@@ -120,16 +117,6 @@ def _resource_tracker() -> set[int]:
     """multiprocessing's helper process: started once, on purpose, and kept for the session."""
     pid = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
     return {pid} if pid else set()
-
-
-@pytest.fixture
-def single_copy_set(monkeypatch):
-    """SHMDIST_SINGLE_COPY set to its default, here and in the ranks the test spawns: left
-    unset, a machine where single copies measure slow (shmdist/transport/copyspeed.py) splits
-    a pair's collectives only from 16 MiB, and a test of those paths would not take them.
-    Modules that test them use it (``pytestmark``)."""
-    from shmdist import settings
-    monkeypatch.setenv("SHMDIST_SINGLE_COPY", str(settings.SETTINGS["SHMDIST_SINGLE_COPY"].default))
 
 
 @pytest.fixture(autouse=True)

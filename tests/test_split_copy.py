@@ -26,7 +26,6 @@ import pytest
 import shmdist as dist
 from test_collectives import HAVE_TORCH, Case, assert_all_good, available, run_cases
 
-pytestmark = pytest.mark.usefixtures("single_copy_set")   # the paths below taken on any machine
 THRESHOLD = 1 << 20        # arena.PAIR_SPLIT_MIN: SHMDIST_SINGLE_COPY below it counts as it
 ENV = {"SHMDIST_SINGLE_COPY": str(64 << 10)}
 PAIR_SMALL = 512 << 10      # arena.SMALL_ALLREDUCE_PAIR: all_reduce up to this stays one phase
@@ -291,6 +290,7 @@ def untouched(rank, world_size, init_method):
 
 def test_a_broadcast_into_pages_never_touched_is_right(run_ranks):
     assert run_ranks(untouched, 2, timeout=60) == [[True] * 3, [True] * 3]
+
 
 
 # ---------------------------------------------------------------- three or more members: broadcast read from the root

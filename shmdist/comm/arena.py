@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 
 from shmdist import _core, layout, settings
-from shmdist.transport import copyspeed, segment
+from shmdist.transport import segment
 from shmdist.api.fast import paths as _fast
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
 from shmdist.layout import ALL_ROUNDS_DONE, BROKEN, DIFFER, DONE, NOT_TAKEN, NOT_YET
@@ -84,7 +84,8 @@ def open_group(world, key: str, ranks) -> "GroupComm":
     n = len(ranks)
     slot = slot_bytes()
     rounds = settings.get(ROUND_ENV)   # the creator's settings hold for every member
-    single = settings.get("SHMDIST_SINGLE_COPY", None)   # None: unset, the creator measures its floor
+    single = settings.get("SHMDIST_SINGLE_COPY")
+    single = max(single, PAIR_SPLIT_MIN) if single > 0 else 0
     if n > len(os.sched_getaffinity(0)):   # see BUSY_SLOT_BYTES; a setting in the environment still wins
         slot, rounds = settings.get(SLOT_ENV, BUSY_SLOT_BYTES), settings.get(ROUND_ENV, BUSY_ROUND_BYTES)
     ctl_at = segment.HEADER_BYTES
@@ -96,9 +97,8 @@ def open_group(world, key: str, ranks) -> "GroupComm":
     import hashlib   # here, not at the top: this function is all of arena.py the group work owns
     members = hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
     creator = world.rank == ranks[0]
-    split = (lambda: _split_from(single)) if n > 1 else (lambda: 0)   # measured by the creator only
     seg = segment.share(world.store, f"arena/{key}/{members}", n, creator, size if creator else 0, who,
-                        world.timeout, init=lambda s: _params(s.mm, slot, rounds, split()))
+                        world.timeout, init=lambda s: _params(s.mm, slot, rounds, single))
     return GroupComm(world, ranks, seg)
 
 
@@ -115,25 +115,6 @@ PAIR_SPLIT_MIN = 1 << 20
 DIRECT_MIN = 4 << 20
 DIRECT_CHUNK = 256 << 10               # bytes of a reader's array copied at a time (_broadcast_direct)
 _COUNTER_AT = 16                       # in a member's buffer: its chunk counter, after pid and address
-
-
-# Where a single copy is slow (transport/copyspeed.py), the arena wins as far up as the split was
-# measured to lose. On such a VM (2026-12-06 evening), three interleaved runs each way: two members,
-# all_reduce 2-8 MiB 140-657 us through the arena against 221-1470 split, broadcast up to 4 MiB 70-149
-# against 117-199; three members, broadcast 4 MiB 300-333 against 554-691 read from the root; from
-# 16 MiB up the ways drew (README, Benchmarks, "When a single copy is slow"). There a pair splits
-# from SLOW_SPLIT_MIN only.
-SLOW_SPLIT_MIN = 16 << 20
-
-
-def _split_from(single: int | None) -> int:
-    """The size the pair's collectives go as single copies from, that the
-    creator publishes (layout.PAIR_SINGLE): SHMDIST_SINGLE_COPY as set, at
-    least PAIR_SPLIT_MIN; unset, SLOW_SPLIT_MIN where a single copy is slow
-    here (measured once per process), else PAIR_SPLIT_MIN; 0 never."""
-    if single is None:
-        return SLOW_SPLIT_MIN if copyspeed.slow() else PAIR_SPLIT_MIN
-    return max(single, PAIR_SPLIT_MIN) if single > 0 else 0
 
 
 def _split_half(nbytes: int) -> int:
