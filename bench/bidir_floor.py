@@ -8,9 +8,10 @@ the other's whole buffer into its own second buffer with process_vm_readv
 messages both ways). Best of 10 such exchanges per launch, aggregate GB/s
 (both directions' bytes over the slower side's time), for several fresh
 launches: the spread between launches (where the kernel placed the pages)
-is part of the answer. On the 2-core VM of 2026-12-05, 16 MiB: 11.5-18.5
-GB/s from one launch to the next, while Open MPI's own both-ways row went
-12-27 GB/s from run to run.
+is part of the answer. On the 2-core VM of 2026-12-06 evening, `16 5`:
+17.4-19.5 GB/s in all; in the benchmark run of the same hour shmdist's
+both-ways rounds at 16 MiB gave 16.8-21.2 and MPICH's 15.7-28.5: the floor
+moves more between launches than five show (README, Benchmarks).
 """
 import os
 import signal

@@ -1,0 +1,81 @@
+"""Two members' all_reduce and broadcast, single copies against the arena, in and out of slow windows.
+
+    python bench/pair_windows.py [alternations] [size]      # default 16, 1M
+
+Each alternation runs one second of bench/crosscore.c (built with gcc into a
+temporary folder), then the same two-rank loop twice: with single copies
+(the default, SHMDIST_SINGLE_COPY unset) and through the arena
+(SHMDIST_SINGLE_COPY=0): 20 calls, then the median of 200 all_reduce
+(float32) and 200 broadcast calls of ``size`` bytes each. A line per
+alternation: crosscore's cache-line round trip, then both ways' medians. On a
+VM whose CPUs now and then pass data 4-10 times slower (round trips of about
+500 ns instead of 45-180), the arena slowed 4-5 times in those windows and
+the single copies did not (README, Benchmarks, "When a single copy is slow").
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spawned import spawned  # noqa: E402
+from broadcast_cpu import _bytes  # noqa: E402
+
+
+def _rank(rank, world_size, init_method, size, out):
+    import shmdist as dist
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    x, b = np.ones(size // 4, np.float32), np.ones(size, np.uint8)
+    for _ in range(20):
+        dist.all_reduce(x)
+    reduce_s, bcast_s = [], []
+    for _ in range(200):
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        reduce_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        dist.broadcast(b, 0)
+        bcast_s.append(time.perf_counter() - t)
+    if rank == 0:
+        out.put((np.median(reduce_s), np.median(bcast_s)))
+    dist.destroy_process_group()
+
+
+def _pair(size: int, single: bool) -> tuple[float, float]:
+    """Medians (s) of one two-rank run; the ranks inherit the knob."""
+    saved = os.environ.pop("SHMDIST_SINGLE_COPY", None)
+    if not single:
+        os.environ["SHMDIST_SINGLE_COPY"] = "0"
+    try:
+        with spawned(_rank, 2, size) as out:
+            return out.get(timeout=60)
+    finally:
+        os.environ.pop("SHMDIST_SINGLE_COPY", None)
+        if saved is not None:
+            os.environ["SHMDIST_SINGLE_COPY"] = saved
+
+
+def main() -> None:
+    alternations = int(sys.argv[1]) if len(sys.argv) > 1 else 16
+    size = _bytes(sys.argv[2]) if len(sys.argv) > 2 else 1 << 20
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = os.path.join(tmp, "crosscore")
+        here = os.path.dirname(os.path.abspath(__file__))
+        subprocess.run(["gcc", "-O2", "-pthread", os.path.join(here, "crosscore.c"), "-o", probe], check=True)
+        for i in range(alternations):
+            line = subprocess.run([probe, "1"], capture_output=True, text=True, check=True).stdout
+            trip = re.search(r"round trip (\d+) ns", line).group(1)
+            single, arena = _pair(size, True), _pair(size, False)
+            print(f"{i + 1}: round trip {trip} ns; all_reduce single copies {single[0] * 1e6:.0f} us, "
+                  f"arena {arena[0] * 1e6:.0f} us; broadcast single copies {single[1] * 1e6:.0f} us, "
+                  f"arena {arena[1] * 1e6:.0f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
