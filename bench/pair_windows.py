@@ -1,16 +1,18 @@
-"""Two members' all_reduce and broadcast, single copies against the arena, in and out of slow windows.
+"""Two members' all_reduce and broadcast, single copies against the arena and the way timed, in and out of slow windows.
 
     python bench/pair_windows.py [alternations] [size]      # default 16, 1M
 
 Each alternation runs one second of bench/crosscore.c (built with gcc into a
-temporary folder), then the same two-rank loop twice: with single copies
-(the default, SHMDIST_SINGLE_COPY unset) and through the arena
-(SHMDIST_SINGLE_COPY=0): 20 calls, then the median of 200 all_reduce
-(float32) and 200 broadcast calls of ``size`` bytes each. A line per
-alternation: crosscore's cache-line round trip, then both ways' medians. On a
-VM whose CPUs now and then pass data 4-10 times slower (round trips of about
-500 ns instead of 45-180), the arena slowed 4-5 times in those windows and
-the single copies did not (README, Benchmarks, "When a single copy is slow").
+temporary folder), then the same two-rank loop three times, in an order that
+rotates: single copies always (SHMDIST_PAIR_CHOOSE=0), the arena always
+(SHMDIST_SINGLE_COPY=0), and the default, where the first member times both
+and the pair takes the faster (comm/paths.py): 20 calls, then 200
+all_reduce (float32) and 200 broadcast calls of ``size`` bytes each, their
+median and mean. A line per alternation: crosscore's cache-line round trip,
+then each way's figures. On a VM whose CPUs now and then pass data 4-10
+times slower (round trips of about 500 ns instead of 45-180), the arena
+slowed 4-5 times in those windows and the single copies did not (README,
+Benchmarks, "When a single copy is slow").
 """
 from __future__ import annotations
 
@@ -43,22 +45,26 @@ def _rank(rank, world_size, init_method, size, out):
         dist.broadcast(b, 0)
         bcast_s.append(time.perf_counter() - t)
     if rank == 0:
-        out.put((np.median(reduce_s), np.median(bcast_s)))
+        out.put((np.median(reduce_s), np.mean(reduce_s), np.median(bcast_s), np.mean(bcast_s)))
     dist.destroy_process_group()
 
 
-def _pair(size: int, single: bool) -> tuple[float, float]:
-    """Medians (s) of one two-rank run; the ranks inherit the knob."""
-    saved = os.environ.pop("SHMDIST_SINGLE_COPY", None)
-    if not single:
-        os.environ["SHMDIST_SINGLE_COPY"] = "0"
+WAYS = {"single copies": {"SHMDIST_PAIR_CHOOSE": "0"}, "arena": {"SHMDIST_SINGLE_COPY": "0"}, "timed": {}}
+KNOBS = ("SHMDIST_PAIR_CHOOSE", "SHMDIST_SINGLE_COPY")
+
+
+def _pair(size: int, way: str) -> tuple:
+    """Medians and means (s) of one two-rank run; the ranks inherit the knobs."""
+    saved = {k: os.environ.pop(k, None) for k in KNOBS}
+    os.environ.update(WAYS[way])
     try:
         with spawned(_rank, 2, size) as out:
             return out.get(timeout=60)
     finally:
-        os.environ.pop("SHMDIST_SINGLE_COPY", None)
-        if saved is not None:
-            os.environ["SHMDIST_SINGLE_COPY"] = saved
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
 
 
 def main() -> None:
@@ -71,10 +77,12 @@ def main() -> None:
         for i in range(alternations):
             line = subprocess.run([probe, "1"], capture_output=True, text=True, check=True).stdout
             trip = re.search(r"round trip (\d+) ns", line).group(1)
-            single, arena = _pair(size, True), _pair(size, False)
-            print(f"{i + 1}: round trip {trip} ns; all_reduce single copies {single[0] * 1e6:.0f} us, "
-                  f"arena {arena[0] * 1e6:.0f} us; broadcast single copies {single[1] * 1e6:.0f} us, "
-                  f"arena {arena[1] * 1e6:.0f} us", flush=True)
+            names = list(WAYS)[i % 3:] + list(WAYS)[:i % 3]
+            got = {name: _pair(size, name) for name in names}
+            us = lambda name, j: f"{got[name][j] * 1e6:.0f}/{got[name][j + 1] * 1e6:.0f}"
+            print(f"{i + 1}: round trip {trip} ns; all_reduce (median/mean us) "
+                  + ", ".join(f"{name} {us(name, 0)}" for name in WAYS) + "; broadcast "
+                  + ", ".join(f"{name} {us(name, 2)}" for name in WAYS), flush=True)
 
 
 if __name__ == "__main__":

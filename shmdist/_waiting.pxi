@@ -52,6 +52,10 @@ def load_u64(size_t addr):
     return sd_load64(<const uint64_t *>addr)
 
 
+def store_u64(size_t addr, uint64_t value):
+    sd_store64(<uint64_t *>addr, value)
+
+
 cdef class Backoff:
     """How long a waiter spins before it sleeps, adapted to what worked.
 

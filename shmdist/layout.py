@@ -94,6 +94,9 @@ PARAMS_AT = 64
 # straight between their arrays (the creator's SHMDIST_SINGLE_COPY; 0 never).
 PAIR_SINGLE = struct.Struct("<Q")
 PAIR_SINGLE_AT = PARAMS_AT + PARAMS.size
+# And the way its two members move a big broadcast or all_reduce, by size class: the word of
+# comm/paths.py, which the first member writes (single copies or the arena's buffers).
+PAIR_PATHS_AT = PAIR_SINGLE_AT + PAIR_SINGLE.size
 
 # ---------------------------------------------------------------- collective arena
 # Per member of a group, a control slot of SLOT_STRIDE bytes: its phase

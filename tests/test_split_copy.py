@@ -27,7 +27,9 @@ import shmdist as dist
 from test_collectives import HAVE_TORCH, Case, assert_all_good, available, run_cases
 
 THRESHOLD = 1 << 20        # arena.PAIR_SPLIT_MIN: SHMDIST_SINGLE_COPY below it counts as it
-ENV = {"SHMDIST_SINGLE_COPY": str(64 << 10)}
+# always the single copies, never the arena's buffers for a class the pair timed faster there (test_pair_paths.py)
+ENV = {"SHMDIST_SINGLE_COPY": str(64 << 10), "SHMDIST_PAIR_CHOOSE": "0"}
+CHOOSE_OFF = {"SHMDIST_PAIR_CHOOSE": "0"}
 PAIR_SMALL = 512 << 10      # arena.SMALL_ALLREDUCE_PAIR: all_reduce up to this stays one phase
 CHUNK = 256 << 10           # arena.SPLIT_CHUNK
 
@@ -195,7 +197,7 @@ def copy_fails(rank, world_size, init_method, coll, which):
 @pytest.mark.parametrize("which", ["cma_read", "cma_write"])
 @pytest.mark.parametrize("coll", ["broadcast", "all_reduce"])
 def test_a_copy_that_fails_mid_call_is_redone_or_said(run_ranks, coll, which):
-    results = run_ranks(copy_fails, 2, coll, which, timeout=60)
+    results = run_ranks(copy_fails, 2, coll, which, timeout=60, env=CHOOSE_OFF)
     for r, (said, right, split, after) in enumerate(results):
         assert split is False and after is True, (r, results[r])
         if coll == "broadcast":
@@ -246,7 +248,7 @@ def dies_inside(rank, world_size, init_method, coll, when):
 @pytest.mark.parametrize("coll", ["broadcast", "all_reduce"])
 def test_a_member_that_dies_inside_the_call_is_named(run_ranks, coll, when):
     """The group timeout is 60 s and the test's 30: the error comes from seeing the death."""
-    results = run_ranks(dies_inside, 2, coll, when, timeout=30, errors="return")
+    results = run_ranks(dies_inside, 2, coll, when, timeout=30, errors="return", env=CHOOSE_OFF)
     assert results[1].exitcode == 3
     assert f"rank 0: {coll}" in results[0] and "rank 1 died" in results[0], results[0]
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from shmdist import _core, layout, settings
 from shmdist.transport import segment
+from shmdist.comm import paths
 from shmdist.api.fast import paths as _fast
 from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTimeoutError
 from shmdist.layout import ALL_ROUNDS_DONE, BROKEN, DIFFER, DONE, NOT_TAKEN, NOT_YET
@@ -64,6 +65,7 @@ def _align(n: int, a: int = 4096) -> int:
 
 
 _parts = layout.parts
+_mask_at, _bit, _load = paths.mask_at, paths.bit, _core.load_u64   # (a call's way, read by both of two members)
 _BARRIER = layout.pack_desc("barrier", 0, 0, -1, b"", 0)
 _PHASER_KINDS = {np.dtype(t): (layout.kind_of(t), t.encode())    # the dtypes the C reduction takes
                  for t in ("float32", "float64", "int32", "int64")}
@@ -126,6 +128,7 @@ def _params(mm, slot: int, rounds: int, single: int) -> None:
     """The creator's choices, which every member reads (GroupComm)."""
     layout.PARAMS.pack_into(mm, layout.PARAMS_AT, slot, rounds)
     layout.PAIR_SINGLE.pack_into(mm, layout.PAIR_SINGLE_AT, single)
+    layout.PAIR_SINGLE.pack_into(mm, layout.PAIR_PATHS_AT, paths.INITIAL)
 
 
 class Comm(Protocol):
@@ -180,6 +183,10 @@ class GroupComm:
         self.split: bool | None = None    # False: the members cannot reach each other's memory
         self.split_min, = layout.PAIR_SINGLE.unpack_from(seg.mm, layout.PAIR_SINGLE_AT)   # the creator's
         self.scratch: np.ndarray | None = None   # where the other member's chunk is read (_all_reduce_split)
+        self.paths_at = seg.addr + layout.PAIR_PATHS_AT     # the pair's way per size class (paths.py)
+        # the first of two members times both ways and writes the word (its own setting: it is the creator)
+        self.chooser = paths.Chooser() if self.n == 2 and self.me == 0 and self.split_min > 0 and \
+            settings.get("SHMDIST_PAIR_CHOOSE") else None
         self.small = min(SMALL_ALLREDUCE_PAIR if self.n == 2 else SMALL_ALLREDUCE, self.slot)
         self.row_stride = 2 * self.slot
         self.lock = _core.RLock()
@@ -354,15 +361,19 @@ class GroupComm:
         more read all of it from the root's."""
         what = lambda: f"broadcast(src={self.ranks[root]}, {buf.describe()})"
         desc = ("broadcast", buf.nbytes, 0, root, buf.dtype, 0)
-        if self._splits(buf.nbytes):
+        timed = self.chooser is not None and buf.nbytes >= self.split_min
+        start = time.perf_counter() if timed else 0.0
+        if self._splits(buf.nbytes, 1):
             if self.me != root:     # the root writes (some of) it here: see _ring.pxi, _touch
                 _core.touch(buf.addr, _split_half(buf.nbytes) if self.n == 2 else buf.nbytes)
             b = self.phase % 2
             other = self._split_first(buf, what, desc, timeout, root)
             if other is not None and (self._broadcast_split(buf, root, other, what, timeout) if self.n == 2
                                       else self._broadcast_direct(buf, root, other, b, what, timeout)):
+                if timed:
+                    self._timed(1, buf.nbytes, True, start)
                 return
-            desc = None         # the call's first phase has passed: the rounds follow it
+            desc = timed = None     # the call's first phase has passed: the rounds follow it
         total, chunk = buf.nbytes, self.slot
         rounds = max(1, -(-total // chunk))
         for r in range(rounds):
@@ -376,19 +387,44 @@ class GroupComm:
                 self._pass(what, timeout)
             if self.me != root:
                 _core.copy(buf.addr + at, self._buf(root, b), size)
+        if timed:
+            self._timed(1, total, False, start)
 
     # ------------------------------------------------------------ two members, single copies
 
-    def _splits(self, nbytes: int) -> bool:
-        """Whether a call moving ``nbytes`` may go as single copies between
-        the members' arrays (process_vm_readv/writev): two members from
+    def _splits(self, nbytes: int, kind: int) -> bool:
+        """Whether a call of ``kind`` (paths.KINDS: 0 all_reduce, 1
+        broadcast) moving ``nbytes`` goes as single copies between the
+        members' arrays (process_vm_readv/writev): two members from
         SHMDIST_SINGLE_COPY bytes (the creator's, layout.PAIR_SINGLE), at
-        least PAIR_SPLIT_MIN; more (broadcast only) from DIRECT_MIN; never
-        with SHMDIST_SINGLE_COPY=0, nor once the members found they cannot:
-        nothing any member decides alone, so all take the same way."""
+        least PAIR_SPLIT_MIN, where the shared word says so for the size
+        class at this call's phase (paths.py); more (broadcast only) from
+        DIRECT_MIN; never with SHMDIST_SINGLE_COPY=0, nor once the members
+        found they cannot: nothing any member decides alone, so all take
+        the same way."""
         if self.split is False or self.split_min <= 0:
             return False
-        return nbytes >= (self.split_min if self.n == 2 else max(self.split_min, DIRECT_MIN))
+        if self.n == 2:
+            return nbytes >= self.split_min and _mask_at(_load(self.paths_at), self.ph.phase) >> _bit(kind, nbytes) & 1 == 1
+        return nbytes >= max(self.split_min, DIRECT_MIN)
+
+    def _timed(self, kind: int, nbytes: int, single: bool, start: float) -> None:
+        """Member 0 of two, after a call that could have gone either way and
+        went ``single`` (single copies) or through the arena, begun at
+        ``start``: time it and write the way its class wants into the shared
+        word, from the next phase on (paths.py), under the group's lock (a
+        one-call broadcast returns without it): no call of this member's runs
+        between reading the phase and the write."""
+        if self.split is False:
+            return                 # (a copy failed in this call: the pair keeps the buffers)
+        cls = paths.bit(kind, nbytes)
+        want = self.chooser.record(cls, single, time.perf_counter() - start, nbytes)
+        with self.lock:
+            phase = self.ph.phase  # (the word, not what this member wrote last: the masks any reader sees)
+            now = paths.mask_at(_core.load_u64(self.paths_at), phase)
+            new = now | 1 << cls if want else now & ~(1 << cls)
+            if new != now:
+                _core.store_u64(self.paths_at, paths.pack(phase + 1, new, now))
 
     def _split_first(self, buf, what, desc, timeout: float, root: int = -1) -> tuple | None:
         """The first phase of a call the members may do as single copies:
@@ -562,8 +598,9 @@ class GroupComm:
         done nothing, when it does not apply (too big, two members that copy
         between their arrays, an array numpy cannot name as the general path
         does). ``dtype_name``: "bfloat16" for a uint16 array of bfloat16 bits."""
-        if not 0 <= root < self.n or self.ranks[root] != root or self._splits(arr.nbytes):
+        if not 0 <= root < self.n or self.ranks[root] != root or self._splits(arr.nbytes, 1):
             return False        # (the default group, where a global rank is its member index)
+        start = time.perf_counter() if self.chooser is not None and arr.nbytes >= self.split_min else 0.0
         if dtype_name is not None:
             name = dtype_name.encode()
         elif arr.dtype is self.last_bdtype:
@@ -576,6 +613,8 @@ class GroupComm:
             self.last_bdtype, self.last_bname = arr.dtype, name
         how = self.ph.broadcast(arr, root, self.slot, name)
         if how > 0:                       # DONE or DONE_SPINNING
+            if start:
+                self._timed(1, arr.nbytes, False, start)
             return True
         if how == BROKEN or how == NOT_TAKEN:
             return False
@@ -587,6 +626,8 @@ class GroupComm:
                 _core.copy(arr.ctypes.data, self._buf(root, (self.phase - 1) % 2), arr.nbytes)
         finally:
             self.lock.release()
+        if start:
+            self._timed(1, arr.nbytes, False, start)
         return True
 
     def _finish_quick_all_reduce(self, arr: np.ndarray, op: ReduceOp, timeout: float,
@@ -622,14 +663,19 @@ class GroupComm:
         n, me, dtype = self.n, self.me, arr.dtype
         isz = dtype.itemsize
         count = arr.size
-        if root < 0 and n == 2 and buf.nbytes > self.small and self._splits(buf.nbytes):
+        start = 0.0      # a call that may go either way, which the first of two members times (paths.py)
+        if root < 0 and n == 2 and buf.nbytes > self.small:
             plan = self.ph.plan(dtype, op, buf.dtype)     # (nothing here may differ between the two)
-            if plan is not None:
+            if plan is not None and self.chooser is not None and buf.nbytes >= self.split_min:
+                start = time.perf_counter()
+            if plan is not None and self._splits(buf.nbytes, 0):
                 other = self._split_first(buf, what, desc, timeout)
                 if other is not None:
                     self._all_reduce_split(buf, arr, plan, other, what, timeout)
+                    if start:
+                        self._timed(0, buf.nbytes, True, start)
                     return
-                # (the pair found it cannot: this call's first phase has passed, the whole call follows)
+                start = 0.0     # (the pair found it cannot: this call's first phase has passed, the whole call follows)
         if buf.nbytes <= self.small:
             b = self.phase % 2
             _core.copy(self._buf(me, b), buf.addr, buf.nbytes)
@@ -644,6 +690,8 @@ class GroupComm:
             plan = self.quick[(buf.dtype, op)] = self.ph.plan(dtype, op, buf.dtype)
         if plan is not None:
             self._all_reduce_rounds(arr, plan, per_round, root, what, desc, timeout)
+            if start:
+                self._timed(0, buf.nbytes, False, start)
             return
         rounds = -(-count // per_round)
         parts = None
@@ -673,6 +721,8 @@ class GroupComm:
                     out = self._view(self._buf(me, 1 - b) + per_round * isz, length, dtype)
                     reduce_into(out, inputs, op, buf.dtype, n)
                 prev_parts = parts
+        if start:
+            self._timed(0, buf.nbytes, False, start)
 
     def _all_reduce_rounds(self, arr: np.ndarray, plan: tuple, per_round: int, root: int, what,
                            desc: tuple, timeout: float) -> None:
