@@ -83,22 +83,41 @@ def test_the_chooser_times_both_takes_the_faster_leaves_it_when_slow_and_comes_b
     ways, nxt = drive(c, clock, quiet, 200)
     assert ways[:4] == [1, 1, 0, 0]                         # each way timed twice first
     tail = ways[20:]
-    assert tail.count(0) >= 0.95 * len(tail) and tail.count(1) >= 2   # home: the arena; single copies tried
+    assert tail.count(0) >= 0.9 * len(tail) and tail.count(1) >= 2    # home: the arena; single copies tried
     window = lambda way: 150e-6 if way else 600e-6        # the arena 6 x slower (a slow window)
     ways, nxt = drive(c, clock, window, 200, first=nxt)
-    assert ways[:6].count(0) <= 4 and ways[6:].count(0) <= 0.06 * len(ways[6:])
+    assert ways[:6].count(0) <= 4 and ways[6:].count(0) <= 0.1 * len(ways[6:])
     ways, nxt = drive(c, clock, quiet, 200, first=nxt)     # the window ends
     back = ways.index(0) if 0 in ways else len(ways)
     assert back * 0.002 <= c.EXPLORE_S + 0.01 and ways[back:].count(0) >= 0.9 * len(ways[back:])
 
 
-def test_the_other_way_is_tried_at_most_once_per_explore_period():
+def test_the_other_way_is_tried_soon_then_ever_more_rarely_down_to_once_per_explore_period():
     clock = Clock()
     c = paths.Chooser(clock)
     ways, _ = drive(c, clock, lambda way: 100e-6 if way else 900e-6, 2000, step=0.0005)
     tries = [i for i, w in enumerate(ways) if w == 0][2:]       # after the first two of the arena
     gaps = np.diff(tries) * 0.0005
-    assert len(tries) >= 5 and gaps.min() >= c.EXPLORE_S - 1e-9
+    assert tries[0] <= 4 + c.EXPLORE_CALLS + 2                   # the first try soon
+    assert all(b >= a - 1e-9 for a, b in zip(gaps, gaps[1:]))    # then ever rarer
+    assert len(tries) >= 10 and gaps[-4:].min() >= c.EXPLORE_S - 1e-9
+    assert len(tries) <= 8 + 2000 * 0.0005 / c.EXPLORE_S + 1
+
+
+def test_a_first_impression_is_corrected_within_tens_of_calls():
+    """The first calls of a job are slow for either way; the arena's happen to be the
+    slowest (its first two), then it is the faster for good."""
+    clock = Clock()
+    c = paths.Chooser(clock)
+    seen = {0: 0}
+
+    def cost(way):
+        if way:
+            return 150e-6
+        seen[0] += 1
+        return 800e-6 if seen[0] <= 2 else 100e-6
+    ways, _ = drive(c, clock, cost, 200, step=0.0002)
+    assert ways[:4] == [1, 1, 0, 0] and ways[40:].count(0) >= 0.9 * 160, ways[:40]
 
 
 def test_two_ways_within_the_margin_never_flap():

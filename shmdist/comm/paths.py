@@ -58,7 +58,7 @@ def mask_at(word: int, phase: int) -> int:
 
 
 class _Class:
-    __slots__ = ("home", "per_byte", "last", "calls", "asked")
+    __slots__ = ("home", "per_byte", "last", "calls", "asked", "gap")
 
     def __init__(self):
         self.home = 1                                    # single copies (the way before timing)
@@ -66,6 +66,7 @@ class _Class:
         self.last = [0.0, 0.0]                           # when each way was last timed
         self.calls = 0                                   # calls the home way made since the other's last
         self.asked = 0.0                                 # when the other way was last asked for
+        self.gap = 0.0                                   # seconds between tries of the other way, for now
 
 
 class Chooser:
@@ -76,13 +77,18 @@ class Chooser:
     than it is meant to: a try of the other way is asked once, and not again
     before it was timed. The way whose best of its last SAMPLES calls is
     fastest per byte is home, the other has to be faster by MARGIN to take
-    over; each way is timed twice first, and after that the other one once
-    every EXPLORE_S seconds with at least EXPLORE_CALLS calls of home
-    between. In a slow window of the kind above, the arena's extra cost is
-    then one call in 50 ms; the single copies' in quiet times less."""
+    over. Each way is timed twice first; after that the other one is tried
+    after at least EXPLORE_CALLS calls of home, and once GAP_S seconds
+    passed since its last try, a gap that doubles with each try that
+    confirms home, up to EXPLORE_S, and starts again at 0 when home
+    changes: a first impression (the first calls of a job run slow, for
+    either way) is corrected within tens of calls, and in a slow window of
+    the kind above the arena's extra cost is, once settled, one call in 50
+    ms; the single copies' in quiet times less."""
     SAMPLES = 3
     MARGIN = 0.85
     EXPLORE_S = 0.05
+    GAP_S = 0.001
     EXPLORE_CALLS = 8
 
     def __init__(self, clock=time.perf_counter):
@@ -102,10 +108,12 @@ class Chooser:
         if c.per_byte[other] and c.per_byte[home] and \
                 min(c.per_byte[other]) < self.MARGIN * min(c.per_byte[home]):
             c.home, home, other = other, other, home
-            c.calls = 0
+            c.calls, c.gap = 0, 0.0
+        elif way != home and len(c.per_byte[way]) >= 2:  # a try that confirmed home: wait longer for the next
+            c.gap = min(self.EXPLORE_S, max(2 * c.gap, self.GAP_S))
         if len(c.per_byte[other]) < 2:                   # not yet timed twice
             return other
-        if c.calls >= self.EXPLORE_CALLS and now - max(c.last[other], c.asked) >= self.EXPLORE_S:
-            c.asked = now
+        if c.calls >= self.EXPLORE_CALLS and now - max(c.last[other], c.asked) >= c.gap:
+            c.asked, c.calls = now, 0    # (the next call is already on its way: home, counted from here)
             return other
         return home
