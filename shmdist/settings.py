@@ -63,7 +63,7 @@ SETTINGS = {s.name: s for s in (
             "is pending (both ways at once; or, one way, when bigger than the ring or from 128 KiB): "
             "the receiver reads it from the sender's memory (process_vm_readv) "
             "where it may; two-member broadcast and all_reduce copy between the arrays from this size, "
-            "at least 1 MiB, a broadcast of three or more members is read from the root's array from "
+            "at least 1 MiB, where timed faster than the arena (SHMDIST_PAIR_CHOOSE), a broadcast of three or more members is read from the root's array from "
             "4 MiB; 0 never (engine.py, _lane.pxi, comm/arena.py)"),
     Setting("SHMDIST_PAIR_CHOOSE", True, _flag,
             "two members time the two ways of a broadcast or all_reduce that may go as single copies "
