@@ -25,18 +25,9 @@ import pytest
 
 import shmdist as dist
 from shmdist.comm import paths
+from test_pair_paths import Erratic
 
 MiB = 1 << 20
-
-
-class Erratic:
-    """A chooser that asks for a random way after every call (in place of timing)."""
-
-    def __init__(self, seed):
-        self.rng = random.Random(seed)
-
-    def record(self, cls, single, seconds, nbytes):
-        return self.rng.random() < 0.5
 
 
 class Fixed:

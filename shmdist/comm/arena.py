@@ -361,8 +361,7 @@ class GroupComm:
         more read all of it from the root's."""
         what = lambda: f"broadcast(src={self.ranks[root]}, {buf.describe()})"
         desc = ("broadcast", buf.nbytes, 0, root, buf.dtype, 0)
-        timed = self.chooser is not None and buf.nbytes >= self.split_min
-        start = time.perf_counter() if timed else 0.0
+        start = self._start(buf.nbytes)
         if self._splits(buf.nbytes, 1):
             if self.me != root:     # the root writes (some of) it here: see _ring.pxi, _touch
                 _core.touch(buf.addr, _split_half(buf.nbytes) if self.n == 2 else buf.nbytes)
@@ -370,10 +369,10 @@ class GroupComm:
             other = self._split_first(buf, what, desc, timeout, root)
             if other is not None and (self._broadcast_split(buf, root, other, what, timeout) if self.n == 2
                                       else self._broadcast_direct(buf, root, other, b, what, timeout)):
-                if timed:
+                if start:
                     self._timed(1, buf.nbytes, True, start)
                 return
-            desc = timed = None     # the call's first phase has passed: the rounds follow it
+            desc, start = None, 0.0     # the call's first phase has passed: the rounds follow it
         total, chunk = buf.nbytes, self.slot
         rounds = max(1, -(-total // chunk))
         for r in range(rounds):
@@ -387,7 +386,7 @@ class GroupComm:
                 self._pass(what, timeout)
             if self.me != root:
                 _core.copy(buf.addr + at, self._buf(root, b), size)
-        if timed:
+        if start:
             self._timed(1, total, False, start)
 
     # ------------------------------------------------------------ two members, single copies
@@ -405,8 +404,16 @@ class GroupComm:
         if self.split is False or self.split_min <= 0:
             return False
         if self.n == 2:
-            return nbytes >= self.split_min and _mask_at(_load(self.paths_at), self.ph.phase) >> _bit(kind, nbytes) & 1 == 1
+            return nbytes >= self.split_min and self._masks() >> _bit(kind, nbytes) & 1 == 1
         return nbytes >= max(self.split_min, DIRECT_MIN)
+
+    def _masks(self) -> int:
+        """The pair's ways (paths.py) for a call starting at this member's phase."""
+        return _mask_at(_load(self.paths_at), self.ph.phase)
+
+    def _start(self, nbytes: int) -> float:
+        """When a call of ``nbytes`` that member 0 of two times began (paths.py); 0.0: not timed."""
+        return time.perf_counter() if self.chooser is not None and nbytes >= self.split_min else 0.0
 
     def _timed(self, kind: int, nbytes: int, single: bool, start: float) -> None:
         """Member 0 of two, after a call that could have gone either way and
@@ -417,14 +424,13 @@ class GroupComm:
         between reading the phase and the write."""
         if self.split is False:
             return                 # (a copy failed in this call: the pair keeps the buffers)
-        cls = paths.bit(kind, nbytes)
+        cls = _bit(kind, nbytes)
         want = self.chooser.record(cls, single, time.perf_counter() - start, nbytes)
         with self.lock:
-            phase = self.ph.phase  # (the word, not what this member wrote last: the masks any reader sees)
-            now = paths.mask_at(_core.load_u64(self.paths_at), phase)
+            now = self._masks()    # (the word, not what this member wrote last: the masks any reader sees)
             new = now | 1 << cls if want else now & ~(1 << cls)
             if new != now:
-                _core.store_u64(self.paths_at, paths.pack(phase + 1, new, now))
+                _core.store_u64(self.paths_at, paths.pack(self.ph.phase + 1, new, now))
 
     def _split_first(self, buf, what, desc, timeout: float, root: int = -1) -> tuple | None:
         """The first phase of a call the members may do as single copies:
@@ -600,7 +606,7 @@ class GroupComm:
         does). ``dtype_name``: "bfloat16" for a uint16 array of bfloat16 bits."""
         if not 0 <= root < self.n or self.ranks[root] != root or self._splits(arr.nbytes, 1):
             return False        # (the default group, where a global rank is its member index)
-        start = time.perf_counter() if self.chooser is not None and arr.nbytes >= self.split_min else 0.0
+        start = self._start(arr.nbytes)
         if dtype_name is not None:
             name = dtype_name.encode()
         elif arr.dtype is self.last_bdtype:
@@ -666,8 +672,8 @@ class GroupComm:
         start = 0.0      # a call that may go either way, which the first of two members times (paths.py)
         if root < 0 and n == 2 and buf.nbytes > self.small:
             plan = self.ph.plan(dtype, op, buf.dtype)     # (nothing here may differ between the two)
-            if plan is not None and self.chooser is not None and buf.nbytes >= self.split_min:
-                start = time.perf_counter()
+            if plan is not None:
+                start = self._start(buf.nbytes)
             if plan is not None and self._splits(buf.nbytes, 0):
                 other = self._split_first(buf, what, desc, timeout)
                 if other is not None:

@@ -58,14 +58,13 @@ def mask_at(word: int, phase: int) -> int:
 
 
 class _Class:
-    __slots__ = ("home", "per_byte", "last", "calls", "asked", "gap")
+    __slots__ = ("home", "per_byte", "last", "calls", "gap")
 
     def __init__(self):
         self.home = 1                                    # single copies (the way before timing)
         self.per_byte = (deque(maxlen=Chooser.SAMPLES), deque(maxlen=Chooser.SAMPLES))   # by way
         self.last = [0.0, 0.0]                           # when each way was last timed
         self.calls = 0                                   # calls the home way made since the other's last
-        self.asked = 0.0                                 # when the other way was last asked for
         self.gap = 0.0                                   # seconds between tries of the other way, for now
 
 
@@ -74,8 +73,8 @@ class Chooser:
     get the way wanted from now on (1: single copies, 0: the arena). The
     word takes it from the class's second call after this one (the next one
     may already have read the word), so an answer holds for a call longer
-    than it is meant to: a try of the other way is asked once, and not again
-    before it was timed. The way whose best of its last SAMPLES calls is
+    than it is meant to: a try of the other way is asked once (the count of
+    home's calls starts again then), and not again before it was timed. The way whose best of its last SAMPLES calls is
     fastest per byte is home, the other has to be faster by MARGIN to take
     over. Each way is timed twice first; after that the other one is tried
     after at least EXPLORE_CALLS calls of home, and once GAP_S seconds
@@ -113,7 +112,7 @@ class Chooser:
             c.gap = min(self.EXPLORE_S, max(2 * c.gap, self.GAP_S))
         if len(c.per_byte[other]) < 2:                   # not yet timed twice
             return other
-        if c.calls >= self.EXPLORE_CALLS and now - max(c.last[other], c.asked) >= c.gap:
-            c.asked, c.calls = now, 0    # (the next call is already on its way: home, counted from here)
+        if c.calls >= self.EXPLORE_CALLS and now - c.last[other] >= c.gap:
+            c.calls = 0    # (the try comes within two calls, and is timed, before home's count reaches this again)
             return other
         return home
