@@ -63,12 +63,13 @@ SETTINGS = {s.name: s for s in (
             "is pending (both ways at once; or, one way, when bigger than the ring or from 128 KiB): "
             "the receiver reads it from the sender's memory (process_vm_readv) "
             "where it may; two-member broadcast and all_reduce copy between the arrays from this size, "
-            "at least 1 MiB, where timed faster than the arena (SHMDIST_PAIR_CHOOSE), a broadcast of three or more members is read from the root's array from "
-            "4 MiB; 0 never (engine.py, _lane.pxi, comm/arena.py)"),
+            "at least 1 MiB, a broadcast of three or more members is read from the root's array from "
+            "4 MiB, where timed faster than the arena (SHMDIST_PAIR_CHOOSE); 0 never (engine.py, _lane.pxi, comm/arena.py)"),
     Setting("SHMDIST_PAIR_CHOOSE", True, _flag,
-            "two members time the two ways of a broadcast or all_reduce that may go as single copies "
-            "(SHMDIST_SINGLE_COPY): those copies, or the arena's buffers, and take the faster per size "
-            "class, trying the other now and then (comm/paths.py); 0: always the single copies"),
+            "the first member of a group times the two ways of a broadcast (or, two members, an "
+            "all_reduce) that may go as single copies (SHMDIST_SINGLE_COPY): those copies, or the arena's "
+            "buffers, and all take the faster per size class, trying the other now and then "
+            "(comm/paths.py); 0: always the single copies"),
     Setting("SHMDIST_ARENA_BYTES", 1 << 20, _multiple_of_page("SHMDIST_ARENA_BYTES"),
             "bytes of each of the two buffers per member in a group's collective arena"),
     Setting("SHMDIST_ROUND_BYTES", 512 << 10, _multiple_of_page("SHMDIST_ROUND_BYTES"),

@@ -338,7 +338,7 @@ def test_broadcast_of_more_members_reads_the_roots_array(run_ranks, world, membe
     to the readers where they outnumber its CPUs; a rank outside the group never copies."""
     n = world if members is None else len(members)
     cases, taken = direct_cases(n)
-    results = run_ranks(pinned_cases_and_copies, world, cases, members, cpus, timeout=240)
+    results = run_ranks(pinned_cases_and_copies, world, cases, members, cpus, timeout=240, env=CHOOSE_OFF)
     members = list(range(world)) if members is None else list(members)
     assert_all_good(results, members)
     helps = n - 1 > (cpus or len(os.sched_getaffinity(0)))   # the root writes where readers outnumber CPUs
@@ -381,7 +381,7 @@ def direct_fallback(rank, world_size, init_method, how):
 
 @pytest.mark.parametrize("how", ["knob", "refused", "fails"])
 def test_more_members_that_cannot_read_the_root_use_the_buffers(run_ranks, how):
-    env = {"SHMDIST_SINGLE_COPY": "0"} if how == "knob" else None
+    env = {"SHMDIST_SINGLE_COPY": "0"} if how == "knob" else CHOOSE_OFF
     results = run_ranks(direct_fallback, 3, how, timeout=90, env=env)
     for r, (out, split, copies) in enumerate(results):
         assert out == [True] * 3, (r, out)

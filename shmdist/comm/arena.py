@@ -110,7 +110,7 @@ def open_group(world, key: str, ranks) -> "GroupComm":
 # copies, 512 KiB 38 against 51; at 1 MiB the split copies won, 78 against 89 (interleaved
 # benchmark runs, 2026-12-05), where point-to-point both ways at once gains from 64 KiB.
 PAIR_SPLIT_MIN = 1 << 20
-# Three or more members: a broadcast from this size on is read by every other member straight from the
+# Three or more members: a broadcast from this size on may be read by every other member straight from the
 # root's array (_broadcast_direct), which saves the root's copy into the arena and the phases' waits.
 # 3 and 4 ranks on 2 cores, µs per call, 60 calls after 5 (two runs each, arena -> direct): 1 MiB
 # 190-210 -> 290-440 (not taken), 4 MiB 840-890 -> 600-800, 16 MiB 3270-3760 -> 1620-2900 (README).
@@ -183,9 +183,12 @@ class GroupComm:
         self.split: bool | None = None    # False: the members cannot reach each other's memory
         self.split_min, = layout.PAIR_SINGLE.unpack_from(seg.mm, layout.PAIR_SINGLE_AT)   # the creator's
         self.scratch: np.ndarray | None = None   # where the other member's chunk is read (_all_reduce_split)
-        self.paths_at = seg.addr + layout.PAIR_PATHS_AT     # the pair's way per size class (paths.py)
-        # the first of two members times both ways and writes the word (its own setting: it is the creator)
-        self.chooser = paths.Chooser() if self.n == 2 and self.me == 0 and self.split_min > 0 and \
+        self.paths_at = seg.addr + layout.PAIR_PATHS_AT     # the members' way per size class (paths.py)
+        # calls from this size may go as single copies: two members' broadcast and all_reduce, more members'
+        # broadcast (read from the root's array)
+        self.either_min = self.split_min if self.n == 2 else max(self.split_min, DIRECT_MIN)
+        # the first member times both ways and writes the word (its own setting: it is the creator)
+        self.chooser = paths.Chooser() if self.me == 0 and self.split_min > 0 and \
             settings.get("SHMDIST_PAIR_CHOOSE") else None
         self.small = min(SMALL_ALLREDUCE_PAIR if self.n == 2 else SMALL_ALLREDUCE, self.slot)
         self.row_stride = 2 * self.slot
@@ -396,27 +399,25 @@ class GroupComm:
         broadcast) moving ``nbytes`` goes as single copies between the
         members' arrays (process_vm_readv/writev): two members from
         SHMDIST_SINGLE_COPY bytes (the creator's, layout.PAIR_SINGLE), at
-        least PAIR_SPLIT_MIN, where the shared word says so for the size
-        class at this call's phase (paths.py); more (broadcast only) from
-        DIRECT_MIN; never with SHMDIST_SINGLE_COPY=0, nor once the members
-        found they cannot: nothing any member decides alone, so all take
-        the same way."""
-        if self.split is False or self.split_min <= 0:
+        least PAIR_SPLIT_MIN, more members (broadcast only) from DIRECT_MIN,
+        where the shared word says so for the size class at this call's
+        phase (paths.py); never with SHMDIST_SINGLE_COPY=0, nor once the
+        members found they cannot: nothing any member decides alone, so all
+        take the same way."""
+        if self.split is False or self.split_min <= 0 or (self.n > 2 and kind != 1):
             return False
-        if self.n == 2:
-            return nbytes >= self.split_min and self._masks() >> _bit(kind, nbytes) & 1 == 1
-        return nbytes >= max(self.split_min, DIRECT_MIN)
+        return nbytes >= self.either_min and self._masks() >> _bit(kind, nbytes) & 1 == 1
 
     def _masks(self) -> int:
-        """The pair's ways (paths.py) for a call starting at this member's phase."""
+        """The members' ways (paths.py) for a call starting at this member's phase."""
         return _mask_at(_load(self.paths_at), self.ph.phase)
 
     def _start(self, nbytes: int) -> float:
-        """When a call of ``nbytes`` that member 0 of two times began (paths.py); 0.0: not timed."""
-        return time.perf_counter() if self.chooser is not None and nbytes >= self.split_min else 0.0
+        """When a call of ``nbytes`` that member 0 times began (paths.py); 0.0: not timed."""
+        return time.perf_counter() if self.chooser is not None and nbytes >= self.either_min else 0.0
 
     def _timed(self, kind: int, nbytes: int, single: bool, start: float) -> None:
-        """Member 0 of two, after a call that could have gone either way and
+        """Member 0, after a call that could have gone either way and
         went ``single`` (single copies) or through the arena, begun at
         ``start``: time it and write the way its class wants into the shared
         word, from the next phase on (paths.py), under the group's lock (a

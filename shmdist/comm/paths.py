@@ -1,6 +1,7 @@
-"""Which way two members move a big broadcast or all_reduce: single copies
-straight between their arrays, or rounds through the arena's buffers,
-chosen by timing both.
+"""Which way the members of a group move a big broadcast or (two members)
+all_reduce: single copies straight between their arrays (three or more:
+read from the root's), or rounds through the arena's buffers, chosen by
+timing both.
 
 Neither way wins everywhere. On one VM of the 2-core kind the single copies
 (process_vm_readv) ran at 6.5 GB/s against memcpy's 13 and the arena took
@@ -11,17 +12,18 @@ copies' did not (README, Benchmarks). So the first member times every such
 call and picks, per kind of call and size class, the way whose last three
 calls were fastest per byte, trying the other one now and then.
 
-Both members must take the same way in every call (their first phase
+All members must take the same way in every call (their first phase
 writes different things: addresses for single copies, data for the
 arena). The choice is one word in the arena's header that only member 0
 writes, between its calls: the phase from which the new choice holds (low
 32 bits), the new masks (one bit per class; set: single copies) and the
 old ones. A member reads it at the start of a call, at the phase it is at
-then, which is the same for both members in the same call; member 0 writes
+then, which is the same for every member in the same call; member 0 writes
 "from my phase + 1", so a member that reads the word before the write and
 one that reads it after see the same mask for that call, and no member can
 start the next call (at a later phase) before member 0 entered that call's
-first phase, after its write.
+first phase, after its write. Three or more members use it for broadcast
+only, from DIRECT_MIN (comm/arena.py).
 """
 from __future__ import annotations
 
