@@ -86,6 +86,7 @@ cdef class Ring:
     cdef uint64_t _pull(self, uint8_t *dst, uint64_t nbytes, uint64_t pos,
                         uint64_t total) noexcept nogil
     cdef void _room(self) noexcept nogil
+    cdef void _stamp(self, uint64_t t) noexcept nogil
     cdef int _take(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes, const char *dtype16)
     cdef int _take_single(self, int64_t tag, int64_t gid, size_t addr, uint64_t nbytes,
                           const char *dtype16)
@@ -178,6 +179,7 @@ cdef class Lane:
     cdef int64_t a_tag             # what _args found, read at once
     cdef int64_t a_peer            # the peer _args parsed (for the flight recorder)
     cdef bytes a_dtype16
+    cdef bint a_both              # _single: a receive from the destination is pending (both ways)
     cdef Backoff backoff
     cdef list single_at            # per global rank: smallest message sent it as a single copy (0 unknown, -1 none)
     cdef uint64_t single_floor     # SHMDIST_SINGLE_COPY (0: off): below it no single copy is considered
@@ -189,7 +191,7 @@ cdef class Lane:
     cpdef object recv(self, arr, src, tag)
     cdef int _drain(self, DistributedRequest req) except -2
     cdef object _find(self, DistributedRequest req)
-    cdef bint _single(self, int dst, size_t addr, uint64_t nbytes) except -1
+    cdef int _single(self, int dst, size_t addr, uint64_t nbytes) except -1
     cdef bint _overlaps_sent(self, size_t addr, uint64_t nbytes)
     cdef int _read_single(self, _Pend p) except -2
     cdef bint _wait_sent(self, _Sent op, long spin) except -1

@@ -29,6 +29,7 @@ cdef extern from "sys/uio.h" nogil:
                               const iovec *remote, unsigned long riovcnt, unsigned long flags)
 
 from libc.errno cimport errno, EINTR, EFAULT
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 include "_layout.pxi"     # every layout and code shared with Python (generated from layout.py)
 

@@ -19,6 +19,10 @@ cdef enum:
 # goes as a single copy from this size, its reading shared with the sender (engine.HELP_MIN)
 # (transport/engine.py, which takes it from here: one rule for the lane and the engine).
 cdef uint64_t _one_way_single_min = 1 << 17
+cdef enum:          # how a send goes (Lane._single)
+    RING_BY_RULE = 0
+    SINGLE = 1
+    RING_BY_CHOICE = 2
 ONE_WAY_SINGLE_MIN = _one_way_single_min
 
 
@@ -175,6 +179,7 @@ cdef class Lane:
         cdef uint64_t total, meta[2]
         cdef DistributedRequest req
         cdef _Sent op = None
+        cdef int way
         ring = self._args(arr, dst, tag, self.outs)
         if ring is None:
             return None
@@ -195,8 +200,9 @@ cdef class Lane:
             try:
                 if self.q.sendq:
                     return None
-                if self.single_floor and <uint64_t>view.len >= self.single_floor and \
-                        self._single(d, <size_t>view.buf, <uint64_t>view.len):
+                way = self._single(d, <size_t>view.buf, <uint64_t>view.len) \
+                    if self.single_floor and <uint64_t>view.len >= self.single_floor else RING_BY_RULE
+                if way == SINGLE:
                     total = _record(sizeof(meta))
                     if not _has_room(ring, total):
                         return None
@@ -213,9 +219,13 @@ cdef class Lane:
                         q = self.q.awaiting[d] = self.deque()
                     q.append(op)
                     op.target = ring.acks_seen + len(q)
+                    if self.engine.ways is not None and not self.a_both:     # (both ways: not timed)
+                        self.engine.ways.posted(d, True, req, 0, view.len, False)
                 else:
                     if total > ring.size or not _has_room(ring, total):
                         return None
+                    if way == RING_BY_CHOICE:     # timed: it ends at the head after it
+                        self.engine.ways.posted(d, False, None, sd_load64(ring.head) + total, view.len, False)
                     self._header(hdr, &view, t, dtype16, 0)
                     if view.len < NOGIL_COPY:
                         ring._push(hdr, <const uint8_t *>view.buf, view.len, 0, total)
@@ -231,13 +241,15 @@ cdef class Lane:
         self.sends += 1
         return req
 
-    cdef bint _single(self, int dst, size_t addr, uint64_t nbytes) except -1:
-        """Whether a send of ``nbytes`` at ``addr`` to ``dst`` goes as a single copy
-        (lock held), as the engine's send decides: a receive from ``dst`` is
-        pending here (both ways at once: each core then copies each byte once,
-        not twice), or, one way, it is of at least ONE_WAY_SINGLE_MIN bytes;
-        never when a receive pending here may write into its memory before
-        ``dst`` read it."""
+    cdef int _single(self, int dst, size_t addr, uint64_t nbytes) except -1:
+        """How a send of ``nbytes`` at ``addr`` to ``dst`` goes (lock held), as
+        the engine's send decides: SINGLE (a single copy) or RING_BY_CHOICE
+        (the ring, where the sender's timing, ways.py, prefers it) when a
+        receive from ``dst`` is pending here (both ways at once: each core then
+        copies each byte once, not twice; self.a_both says so), or, one way, it
+        is of at least ONE_WAY_SINGLE_MIN bytes; else RING_BY_RULE; never a
+        single copy when a receive pending here may write into its memory
+        before ``dst`` read it."""
         cdef int64_t lim = self.single_at[dst]
         cdef _Pend p
         cdef bint receiving = False
@@ -245,17 +257,22 @@ cdef class Lane:
             lim = self.engine.lane_single_at(dst)
             self.single_at[dst] = lim
         if lim <= 0 or nbytes < <uint64_t>lim:
-            return False
+            return RING_BY_RULE
         if self._engine_receiving():
-            return False        # its send path checks them
+            return RING_BY_RULE        # its send path checks them
         for p in self.pend:
             if p.addr < addr + nbytes and addr < p.addr + p.nbytes:
-                return False
+                return RING_BY_RULE
             if p.src == dst:
                 receiving = True
-        if receiving:
-            return True
-        return nbytes >= _one_way_single_min
+        if not receiving and nbytes < _one_way_single_min:
+            return RING_BY_RULE
+        self.a_both = receiving
+        chooser = self.engine.ways
+        if chooser is not None and not receiving and _record(nbytes) <= (<Ring>self.outs[dst]).size and \
+                not chooser.single(dst, nbytes, False):
+            return RING_BY_CHOICE
+        return SINGLE
 
     cdef bint _engine_receiving(self):
         """Whether the engine has receives of its own: posted, streaming in, or
@@ -538,6 +555,9 @@ cdef class Lane:
         self.lock._take()
         try:
             self._complete_sent(op.dst)
+            chooser = self.engine.ways
+            if chooser is not None and chooser.pending:
+                chooser.poll()      # (at once: the sender's timing of single copies against the ring)
         finally:
             self.lock._give()
         return op.req._done

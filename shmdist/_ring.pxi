@@ -192,6 +192,16 @@ cdef class Ring:
             sd_store32(self.want, 0)   # a record went whole: no more rings for room until full again
         return pos
 
+    cdef inline void _stamp(self, uint64_t t) noexcept nogil:
+        """After the consumer moved tail to ``t``: if it passed the end of the record
+        the producer times (RING_TIME_END), write the moment, then that end."""
+        cdef uint64_t want = sd_load64(_hw(self, SD_RING_TIME_END))
+        cdef timespec now
+        if want != 0 and t >= want and sd_load64(_hw(self, SD_RING_TIMED_END)) != want:
+            clock_gettime(CLOCK_MONOTONIC, &now)
+            sd_store64(_hw(self, SD_RING_TIMED_NS), <uint64_t>now.tv_sec * 1000000000 + <uint64_t>now.tv_nsec)
+            sd_store64(_hw(self, SD_RING_TIMED_END), want)
+
     cdef inline void _room(self) noexcept nogil:
         """After the consumer moved tail: ring the producer only if it waits for room."""
         sd_fence()
@@ -223,6 +233,7 @@ cdef class Ring:
             t += end - pos
             pos = end
             sd_store64(self.tail, t)   # hand each slice back to the producer at once
+            self._stamp(t)
             self._room()
         return pos
 
@@ -317,6 +328,7 @@ cdef class Ring:
             # (a sender that said goodbye may have changed the memory read: the engine reports it)
             return SD_OTHER_RECORD
         sd_store64(self.tail, t + total)
+        self._stamp(t + total)
         self._room()
         acked = _hw(self, SD_RING_ACKED)
         sd_store64(acked, sd_load64(acked) + 1)
@@ -448,6 +460,7 @@ cdef class Ring:
             with nogil:
                 self._get(t + SD_HEADER_BYTES, <uint8_t *>addr, nbytes, nbytes >= stream_min)
         sd_store64(self.tail, t + total)
+        self._stamp(t + total)
         self._room()
         return SD_DONE
 
@@ -455,6 +468,27 @@ cdef class Ring:
         """Producer side: bytes free in the ring now."""
         self.cached_tail = sd_load64(self.tail)
         return self.size - (sd_load64(self.head) - self.cached_tail)
+
+    def produced(self):
+        """Producer side: bytes written into the ring, ever (where the next record starts)."""
+        return sd_load64(self.head)
+
+    def time_until(self, uint64_t end):
+        """Producer side: ask the consumer for the moment its tail passes ``end``
+        (before the record that ends there is written)."""
+        sd_store64(_hw(self, SD_RING_TIME_END), end)
+
+    def read_at(self, uint64_t end):
+        """Producer side: when (time.monotonic's clock) the consumer's tail passed
+        ``end``, asked for with time_until; None while not."""
+        if sd_load64(_hw(self, SD_RING_TIMED_END)) != end:
+            return None
+        return sd_load64(_hw(self, SD_RING_TIMED_NS)) * 1e-9
+
+    def consumed(self):
+        """Producer side: bytes the consumer has taken out, ever (a record ending at or
+        before it was read whole)."""
+        return sd_load64(self.tail)
 
     def acked(self):
         """Producer side: single-copy records the consumer has read, ever."""

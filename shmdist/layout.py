@@ -80,6 +80,11 @@ RING_HELP_BYTES = 536         # uint64: its bytes
 RING_HELP_ERR = 544           # uint64: the errno of a producer's copy that failed (0: none)
 RING_HELP_NEXT = 640          # uint64: offer number << 32 | the next chunk to claim (compare-and-swap)
 RING_HELP_DONE = 768          # uint64: chunks of the offer copied (or given up), by both
+# The producer times a record's reading (transport/ways.py): it asks for the moment the consumer's
+# tail passes the record's end, and the consumer, when it does, writes that moment, then the end.
+RING_TIME_END = 896           # uint64: the end (ring position) of the record the producer times; 0: none
+RING_TIMED_NS = 1024          # uint64: CLOCK_MONOTONIC ns when the consumer's tail passed it
+RING_TIMED_END = 1032         # uint64: the RING_TIME_END that RING_TIMED_NS is for (written last)
 HELP_CHUNK = 128 << 10         # bytes of a chunk; of messages from HELP_BIG bytes, twice that
 HELP_BIG = 1 << 20
 
@@ -236,6 +241,7 @@ def c_constants() -> dict[str, int]:
         "SD_RING_HELP_SEQ": RING_HELP_SEQ, "SD_RING_HELP_DST": RING_HELP_DST, "SD_RING_HELP_SRC": RING_HELP_SRC,
         "SD_RING_HELP_BYTES": RING_HELP_BYTES, "SD_RING_HELP_ERR": RING_HELP_ERR,
         "SD_RING_HELP_NEXT": RING_HELP_NEXT, "SD_RING_HELP_DONE": RING_HELP_DONE,
+        "SD_RING_TIME_END": RING_TIME_END, "SD_RING_TIMED_NS": RING_TIMED_NS, "SD_RING_TIMED_END": RING_TIMED_END,
         "SD_HELP_CHUNK": HELP_CHUNK, "SD_HELP_BIG": HELP_BIG,
         "SD_RING_MIN_BYTES": RING_MIN_BYTES,
         "SD_SLOT_STRIDE": SLOT_STRIDE, "SD_SLOT_PHASE": SLOT_PHASE, "SD_SLOT_CHECK": SLOT_CHECK, "SD_SLOT_DESC": SLOT_DESC,

@@ -70,6 +70,11 @@ SETTINGS = {s.name: s for s in (
             "all_reduce) that may go as single copies (SHMDIST_SINGLE_COPY): those copies, or the arena's "
             "buffers, and all take the faster per size class, trying the other now and then "
             "(comm/paths.py); 0: always the single copies"),
+    Setting("SHMDIST_P2P_CHOOSE", True, _flag,
+            "a sender times the two ways of a message to a local rank that may go as a single copy "
+            "(SHMDIST_SINGLE_COPY): that copy, or the ring, and takes the faster per destination, "
+            "direction and size class, trying the other now and then (transport/ways.py); 0: always "
+            "the single copy"),
     Setting("SHMDIST_ARENA_BYTES", 1 << 20, _multiple_of_page("SHMDIST_ARENA_BYTES"),
             "bytes of each of the two buffers per member in a group's collective arena"),
     Setting("SHMDIST_ROUND_BYTES", 512 << 10, _multiple_of_page("SHMDIST_ROUND_BYTES"),

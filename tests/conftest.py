@@ -7,6 +7,8 @@
 
 ``no_fast_paths``  turns every fast path off (SHMDIST_FAST=0), in the ranks too.
 
+``p2p_choose_off``  single copies wherever the rule allows them (SHMDIST_P2P_CHOOSE=0).
+
 ``--torch-parts``  runs only the tests whose outcome can depend on torch being
                installed: the torch modules, the pretend hosts (gloo is the leg
                between hosts with torch), every TCP-transport case (each rank its own
@@ -89,6 +91,14 @@ def no_fast_paths(monkeypatch):
     from shmdist.api import fast
     monkeypatch.setenv("SHMDIST_FAST", "0")
     monkeypatch.setattr(fast.paths, "enabled", False)
+
+
+@pytest.fixture
+def p2p_choose_off(monkeypatch):
+    """Senders always take single copies where the rule allows them, without timing
+    the ring against them (SHMDIST_P2P_CHOOSE=0, transport/ways.py), here and in the
+    ranks: for the tests that count single copies."""
+    monkeypatch.setenv("SHMDIST_P2P_CHOOSE", "0")
 
 
 @pytest.fixture

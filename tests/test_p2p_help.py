@@ -21,6 +21,9 @@ import pytest
 import shmdist as dist
 from shmdist import layout
 
+# they count single copies: the sender's timing of the ring against them off (transport/ways.py)
+pytestmark = pytest.mark.usefixtures("p2p_choose_off")
+
 CHUNK, BIG = layout.HELP_CHUNK, layout.HELP_BIG
 SIZES = (2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1, 5 * CHUNK + 13, BIG - 1, BIG, BIG + 1,
          BIG + 2 * CHUNK + 7, (3 << 20) + 5, (17 << 20) + 3)

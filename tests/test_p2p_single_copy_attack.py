@@ -14,6 +14,9 @@ import pytest
 import shmdist as dist
 from test_p2p_single_copy import ENV, pattern
 
+# they count single copies: the sender's timing of the ring against them off (transport/ways.py)
+pytestmark = pytest.mark.usefixtures("p2p_choose_off")
+
 N = 2 << 20
 
 

@@ -59,6 +59,7 @@ from shmdist.layout import DONE, HEADER as HDR, MAGIC, MAX_DIMS, VERSION   # the
 from shmdist.layout import HDR_SINGLE_COPY, HELPING, SINGLE_COPY
 from shmdist.request import DistributedRequest
 from shmdist.tensors import as_buf, describe
+from shmdist.transport import ways
 
 LIVENESS_PERIOD = 0.2     # seconds between checks that the peers waited on are alive
 # One way (no receive from the destination pending here), a message goes in a single copy
@@ -180,6 +181,9 @@ class Engine:
         self.forked = ""                  # in a forked child: why the parent's engine is not its own
         self.waiting: set = set()         # threads inside wait_for: close() lets them out before unmapping
         self.lane = _core.Lane(self, rank, 1 + max([rank, *chan_out, *chan_in]), chan_out, chan_in)
+        # the big messages to local ranks that may go either way time both (ways.py)
+        self.ways = ways.Ways(chan_out, self.lane.complete_sent) \
+            if self.single_by and self.single_min > 0 and settings.get("SHMDIST_P2P_CHOOSE") else None
 
     # ------------------------------------------------------------ posting
 
@@ -190,11 +194,18 @@ class Engine:
             meta = None
             sendq = self.queues.sendq
             q = sendq.get(dst)
-            if buf.nbytes >= self.single_min > 0 and dst in self.single_by and \
-                    (self._receiving_from(dst) or self.single_by[dst].ring_bytes < _core.record_bytes(buf.nbytes)
-                     or buf.nbytes >= ONE_WAY_SINGLE_MIN) and \
-                    buf.nbytes >= self._single_limit(dst) and not self._written(buf):
-                meta = np.array([self.pid, buf.addr], dtype=np.uint64)      # layout.SINGLE_COPY
+            timed = both = False    # a message either way may take, timed (ways.py)
+            if buf.nbytes >= self.single_min > 0 and dst in self.single_by:
+                both = self._receiving_from(dst)
+                whole = self.single_by[dst].ring_bytes >= _core.record_bytes(buf.nbytes)
+                if (both or not whole or buf.nbytes >= ONE_WAY_SINGLE_MIN) and \
+                        buf.nbytes >= self._single_limit(dst) and not self._written(buf):
+                    # one way, into a ring that holds it whole (a bigger one would need this rank's
+                    # progress to finish, and a receiver must not wait on a sender busy elsewhere)
+                    timed = self.ways is not None and whole and not both
+                    if not timed or self.ways.single(dst, buf.nbytes, both):
+                        meta = np.array([self.pid, buf.addr], dtype=np.uint64)      # layout.SINGLE_COPY
+            if meta is not None:
                 header = make_header(tag, gid, self.rank, buf, HDR_SINGLE_COPY)
                 addr, nbytes = meta.ctypes.data, SINGLE_COPY.size
             else:
@@ -203,6 +214,8 @@ class Engine:
             total = _core.record_bytes(nbytes)
             pos = 0
             if not q:       # nothing queued before it: write what fits now
+                if timed:   # (a queued one is not: where it starts in the ring is not known yet)
+                    self.ways.posted(dst, meta is not None, req, chan.produced() + total, buf.nbytes, both)
                 pos = chan.push(header, addr, nbytes, 0)
                 if pos == total and meta is None:
                     req._complete()
@@ -375,6 +388,8 @@ class Engine:
         held = None
         queues = self.queues
         rx, posted, sendq = queues.rx, queues.posted, queues.sendq
+        if self.ways is not None and self.ways.pending:
+            self.ways.poll()
         if self.lane.pending is not None:
             if posted or queues.unexpected or any(inc is not None for inc in rx.values()):
                 self.lane.settle()
@@ -649,6 +664,8 @@ class Engine:
                 self.causes[peer] = cause
             if final:
                 self.dead[peer] = why
+                if self.ways is not None:
+                    self.ways.forget(peer)
         return why
 
     def leave_cause(self) -> str:
