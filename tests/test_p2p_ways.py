@@ -85,6 +85,8 @@ def test_size_classes():
     assert [ways.bit(False, n) for n in (128 * KiB, 256 * KiB - 1, 256 * KiB, MiB, 16 * MiB, 1 << 34)] == \
         [0, 0, 1, 3, 7, 7]
     assert ways.bit(True, 32 * KiB) == ways.CLASSES
+    for n in [0, 1, 4095, 1 << 17, (1 << 17) - 1, 3 << 20, (1 << 63) + 5] + [1 << k for k in range(64)]:
+        assert _core.lane_ways_class(n) == ways.bit(False, n), n     # the lane's own copy of the rule
 
 
 def test_the_faster_way_is_taken_left_in_a_slow_window_and_taken_again():
@@ -153,6 +155,7 @@ def random_ways(rank, world_size, init_method, seed, torch_too):
             asked.append(way)
             return way
         engine.ways.single = single
+        engine.ways.shortcut = False         # (else the lane takes the home way itself while one is timed)
     bad = []
     receiver = world_size - 1
     senders = list(range(world_size - 1))
@@ -227,6 +230,7 @@ def never_timed(rank, world_size, init_method):
     from shmdist.api import group
     engine = group._world.engine
     engine.ways.single = lambda dst, nbytes, both: False
+    engine.ways.shortcut = False
     peer = 1 - rank
     big = pattern(3 * MiB + 1, 5)                        # over the 2 MiB ring
     mid = pattern(MiB, 6)
@@ -264,6 +268,7 @@ def busy_sender(rank, world_size, init_method, nbytes):
     out = []
     if rank == 0:
         group._world.engine.ways.single = lambda dst, n, both: False
+        group._world.engine.ways.shortcut = False
         reqs = [dist.isend(pattern(nbytes, k), 1, tag=k) for k in range(2)]
         time.sleep(1.5)                 # in no shmdist call
         for r in reqs:

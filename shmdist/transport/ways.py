@@ -34,8 +34,8 @@ from shmdist.comm import paths
 
 KINDS = ("one way", "both ways")
 CLASSES = 8                    # 128 KiB, 256 KiB, ..., 8 MiB, 16 MiB or more
-TRY_BYTES = 8 << 20            # a try of the other way moves about this much (at least 2 messages, at most TRY_MOST)
-TRY_MOST = 16
+TRY_BYTES = 2 << 20            # a try of the other way moves about this much (at least 2 messages, at most TRY_MOST)
+TRY_MOST = 8
 POLL_S = 20e-6                 # a post looks at the timed message at most this often (the rest: progress, waits)
 
 
@@ -61,6 +61,9 @@ class Ways:
         self.pending: dict[int, _Timed] = {}  # destination -> its message being timed
         self.taken = [0, 0]                  # messages either way could take that went through the ring, as single copies
         self.polled = 0.0                    # when single() last looked
+        # The fast lane (_lane.pxi) takes want itself, without calling single() or posted(), while
+        # a message to the destination is being timed and no try is on (False: it always calls)
+        self.shortcut = True
 
     def single(self, dst: int, nbytes: int, both: bool) -> bool:
         """Whether a message the engine's rule lets go as a single copy should."""
