@@ -21,20 +21,15 @@ import pytest
 
 import shmdist as dist
 from shmdist.comm import paths
-from test_pair_paths import Erratic, Scripted, log_ways
+from test_pair_paths import Scripted, log_ways
+from test_pair_paths_attack import erratic_pair
 
 MiB = 1 << 20
 SIZES = (4 * MiB + 12, 5 * MiB, 8 * MiB + 4096 + 8)     # classes 2, 2, 3 (from 4 MiB: either way)
 
 
 def erratic_broadcasts(rank, world_size, init_method, calls, seed):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
-    from shmdist.api import group
-    comm = group._world.default.coll
-    if rank == 0:
-        assert isinstance(comm.chooser, paths.Chooser)
-        comm.chooser = Erratic(seed)
-    ways = log_ways(comm)
+    _, ways = erratic_pair(rank, world_size, init_method, seed)   # (member 0 flips after every call)
     rng = np.random.default_rng(seed)           # the same calls on every rank
     late = random.Random(seed * 7 + rank)       # but each rank late in its own way
     bad = []
@@ -80,6 +75,7 @@ def scripted_broadcasts(rank, world_size, init_method, calls, slow_from, slow_to
     from shmdist.api import group
     comm = group._world.default.coll
     if rank == 0:
+        assert isinstance(comm.chooser, paths.Chooser)     # three or more members time too
         comm.chooser = Scripted(slow_from, slow_to)
     seen, ways = log_ways(comm), []
     b = np.zeros(4 * MiB, np.uint8)
@@ -108,11 +104,7 @@ def test_every_member_follows_the_first_one_s_timing(run_ranks):
 def disagreeing_broadcasts(rank, world_size, init_method, seed):
     """The last rank's broadcast is twice as big on even calls (another class, so its way may
     differ): every member must raise the mismatch, then all go on together."""
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
-    from shmdist.api import group
-    comm = group._world.default.coll
-    if rank == 0:
-        comm.chooser = Erratic(seed)
+    erratic_pair(rank, world_size, init_method, seed, log=False)
     said = []
     for i in range(8):
         n = 8 * MiB if rank == world_size - 1 and i % 2 == 0 else 4 * MiB
