@@ -180,7 +180,7 @@ cdef class Lane:
     cdef int64_t a_peer            # the peer _args parsed (for the flight recorder)
     cdef bytes a_dtype16
     cdef bint a_both              # _single: a receive from the destination is pending (both ways)
-    cdef bint a_counted           # _single: the way came from ways.want without a call (no posted either)
+    cdef bint a_counted           # _single: no call to the timing for this send (not timed, or ways.want's shortcut)
     cdef Backoff backoff
     cdef list single_at            # per global rank: smallest message sent it as a single copy (0 unknown, -1 none)
     cdef uint64_t single_floor     # SHMDIST_SINGLE_COPY (0: off): below it no single copy is considered

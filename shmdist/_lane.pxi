@@ -282,7 +282,7 @@ cdef class Lane:
         if not receiving and nbytes < _one_way_single_min:
             return RING_BY_RULE
         self.a_both = receiving
-        self.a_counted = False
+        self.a_counted = True       # (no call to the timing: not a message it times, or the shortcut below)
         chooser = self.engine.ways
         if chooser is None or receiving or _record(nbytes) > (<Ring>self.outs[dst]).size:
             return SINGLE
@@ -291,6 +291,7 @@ cdef class Lane:
             # (ways.py: the calls cost ~20 % of a 256 KiB message's time through the ring)
             self.a_counted = True
             return SINGLE if chooser.want.get((dst, _ways_class(nbytes)), 1) else RING_BY_CHOICE
+        self.a_counted = False
         return SINGLE if chooser.single(dst, nbytes, False) else RING_BY_CHOICE
 
     cdef bint _engine_receiving(self):

@@ -200,9 +200,11 @@ class Engine:
                 whole = self.single_by[dst].ring_bytes >= _core.record_bytes(buf.nbytes)
                 if (both or not whole or buf.nbytes >= ONE_WAY_SINGLE_MIN) and \
                         buf.nbytes >= self._single_limit(dst) and not self._written(buf):
-                    # one way, into a ring that holds it whole (a bigger one would need this rank's
-                    # progress to finish, and a receiver must not wait on a sender busy elsewhere)
-                    timed = self.ways is not None and whole and not both
+                    # one way, into a ring that takes it whole now: one bigger than the room (or
+                    # behind queued sends) would need this rank's progress to finish, and a receiver
+                    # must not wait for a sender busy elsewhere
+                    timed = self.ways is not None and whole and not both and not q and \
+                        chan.room() >= _core.record_bytes(buf.nbytes)
                     if not timed or self.ways.single(dst, buf.nbytes, both):
                         meta = np.array([self.pid, buf.addr], dtype=np.uint64)      # layout.SINGLE_COPY
             if meta is not None:
