@@ -33,31 +33,21 @@ def rank_main(rank, world_size, init_method, nbytes, pattern, out):
     buf, ack = np.ones(nbytes, np.uint8), np.zeros(8, np.uint8)
     window = max(1, min(64, (16 << 20) // nbytes))
 
+    peer = 1 - rank
+    post = shmdist.isend if rank == 0 else shmdist.irecv     # (send and recv are the same calls, waited)
+
     def step():
         if pattern == "pingpong":
-            if rank == 0:
-                shmdist.send(buf, 1).wait()
-                shmdist.recv(buf, 1).wait()
-            else:
-                shmdist.recv(buf, 0).wait()
-                shmdist.send(buf, 0).wait()
+            for move in ((shmdist.send, shmdist.recv) if rank == 0 else (shmdist.recv, shmdist.send)):
+                move(buf, peer).wait()
             return
-        if rank == 0:
-            if pattern == "bw":
-                for r in [shmdist.isend(buf, 1) for _ in range(window)]:
-                    r.wait()
-            else:
-                for _ in range(window):
-                    shmdist.send(buf, 1).wait()
-            shmdist.recv(ack, 1).wait()
+        if pattern == "bw":
+            for r in [post(buf, peer) for _ in range(window)]:
+                r.wait()
         else:
-            if pattern == "bw":
-                for r in [shmdist.irecv(buf, 0) for _ in range(window)]:
-                    r.wait()
-            else:
-                for _ in range(window):
-                    shmdist.recv(buf, 0).wait()
-            shmdist.send(ack, 0).wait()
+            for _ in range(window):
+                post(buf, peer).wait()
+        (shmdist.recv if rank == 0 else shmdist.send)(ack, peer).wait()
 
     steps = 200 if pattern == "pingpong" else 5
     figures = []

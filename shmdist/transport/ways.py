@@ -32,7 +32,6 @@ from __future__ import annotations
 import time
 from shmdist.comm import paths
 
-KINDS = ("one way", "both ways")
 CLASSES = 8                    # 128 KiB, 256 KiB, ..., 8 MiB, 16 MiB or more
 TRY_BYTES = 2 << 20            # a try of the other way moves about this much (at least 2 messages, at most TRY_MOST)
 TRY_MOST = 8
