@@ -77,7 +77,11 @@ cdef class Ring:
     cdef public int64_t help_min   # consumer: offer from this many bytes (0 never; -1 not known yet)
     cdef public uint64_t helped    # producer: chunks it copied into its consumer's memory, ever
     cdef public uint64_t acks_seen # producer: single-copy records whose read completed their send here
+    cdef uint64_t *mate_head    # consumer: the ring this rank writes to the same peer (NULL: none);
+    cdef uint64_t *mate_tail    #   records in it the peer has not read yet: the peer's core reads ours
+    cdef object mate            # (keeps that ring alive)
     cdef int _settle_help(self, long spins) noexcept nogil
+    cdef bint _mate_busy(self) noexcept nogil
     cdef void _offer(self, uint64_t t, size_t dst, size_t src, uint64_t nbytes) noexcept
     cdef void _put(self, uint64_t at, const uint8_t *src, size_t n) noexcept nogil
     cdef void _get(self, uint64_t at, uint8_t *dst, size_t n, bint stream=*) noexcept nogil

@@ -40,6 +40,8 @@ single copy's reading"): the sender, waiting for that read, copies chunks
 into the receiver's buffer with process_vm_writev (_help) while the
 receiver reads the others, so each core copies about half. A sender busy
 elsewhere copies nothing and loses nothing: the receiver claims every chunk.
+No offer while the ring to the sender holds a record of this rank's it has
+not read (both ways at once: each core is busy reading already; Ring.pair).
 While such a reading is open, nothing else is read from that ring; a receive
 that goes elsewhere meanwhile first ends it (settle_help), and so does close.
 """
@@ -168,6 +170,9 @@ class Engine:
         self.single = {}                  # local peer -> smallest message it reads itself (once known)
         self.pid = os.getpid()
         self.chan_in = list(chan_in.items())   # (global rank, channel we consume)
+        for src, chan in self.chan_in:    # (both ways at once, a single copy's reading is not shared)
+            if isinstance(chan, _core.Ring) and isinstance(chan_out.get(src), _core.Ring):
+                chan.pair(chan_out[src])
         # sendq {dst: deque of _Send}, posted [_Recv], rx {src: _Incoming or None}, unexpected
         # [_Incoming]: one object, shared with the fast lane, emptied in place, never replaced
         self.queues = _core.Queues([src for src, _ in self.chan_in])
