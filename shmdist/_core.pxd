@@ -192,7 +192,7 @@ cdef class Lane:
     cdef object deque              # collections.deque, the type of the engine's awaiting queues
     cdef int _header(self, uint8_t *hdr, Py_buffer *view, int64_t tag, bytes dtype16, int32_t flags) except -1
     cdef Ring _args(self, arr, peer, tag, list chans)
-    cpdef object send(self, arr, dst, tag)
+    cpdef object send(self, arr, dst, tag, owner=*)
     cpdef object recv(self, arr, src, tag)
     cdef int _drain(self, DistributedRequest req) except -2
     cdef object _find(self, DistributedRequest req)

@@ -180,10 +180,14 @@ cdef class Lane:
         self.a_dtype16 = <bytes>d
         return <Ring>r
 
-    cpdef object send(self, arr, dst, tag):
+    cpdef object send(self, arr, dst, tag, owner=None):
         """The request of a send written into its ring now: completed when the
         message went whole, pending when it went as a single copy (its
-        destination reads it from here, _single says when); or None."""
+        destination reads it from here, _single says when); or None.
+        ``owner``: what keeps ``arr``'s memory alive, where ``arr`` does not (a
+        torch tensor's cached numpy view owns nothing, shmdist.tensors): a
+        single copy holds it until read, or the memory could be freed and
+        reused under the reader (a tensor sent with ``isend(t.clone(), ...)``)."""
         cdef Ring ring = None
         cdef int64_t t
         cdef int d
@@ -227,7 +231,7 @@ cdef class Lane:
                                            PyBytes_AS_STRING(dtype16))  # trace: send, posted
                     req._lane = self
                     op = _Sent.__new__(_Sent)
-                    op.req, op.arr, op.addr, op.nbytes, op.dst = req, arr, <size_t>view.buf, <uint64_t>view.len, d
+                    op.req, op.arr, op.addr, op.nbytes, op.dst = req, arr if owner is None else owner, <size_t>view.buf, <uint64_t>view.len, d
                     q = self.q.awaiting.get(d)
                     if q is None:
                         q = self.q.awaiting[d] = self.deque()

@@ -197,9 +197,9 @@ def numpy_view(t, bits: bool = False) -> np.ndarray | None:
     then the kept view is exactly right: a view does not own its memory (it
     holds no tensor or storage, so the cache keeps nothing alive) and is
     only handed to a caller that holds a tensor with that memory, for the
-    duration of a call (a pending receive keeps its tensor). A tensor with
-    the negative (or, complex, the conjugate) bit set is never served from
-    the cache."""
+    duration of a call (a pending receive, and a send pending as a single
+    copy, keeps its tensor). A tensor with the negative (or, complex, the
+    conjugate) bit set is never served from the cache."""
     ptr = t.data_ptr()
     kept = _VIEWS.get(ptr)
     if kept is not None:

@@ -477,7 +477,7 @@ def _send_py(tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) 
     if lane is not None and group is None:
         arr = _fast.array(tensor)
         if arr is not None:
-            req = lane.send(arr, dst, tag)
+            req = lane.send(arr, dst, tag, tensor)   # (a single copy keeps the tensor: the view owns nothing)
             if req is not None:
                 return req
     return _send_general(tensor, dst, group, tag)
