@@ -12,6 +12,7 @@ it all alone); a sender whose copies fail (the receiver reads it all again);
 and a sender that dies with an offer open."""
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 
@@ -285,3 +286,92 @@ def test_receives_into_pages_never_touched_are_right(run_ranks):
     """(Without _touch, chunks the sender wrote into such pages read back wrong here.)"""
     (_, copied), (ok, _) = run_ranks(untouched_receiver, 2, timeout=60)
     assert ok == [True] * 4 and copied > 0
+
+
+class LateChunk:
+    """The ring from one sender as the engine sees it, with that sender's chunk
+    of a shared reading landing late (descheduled mid-copy, for longer than
+    the receiver waits for it): the first single copy taken for a receive is
+    read whole, then its first chunk is given back to zero and take() says
+    HELPING, the reading still open. The chunk lands (its bytes written where
+    that first receive's buffer is) when the engine comes back to take it for
+    that receive, which then completes, or when it ends the offer
+    (settle_help) to give the record to another receive, which then gets the
+    whole message, as a real reading read again would. Everything else is
+    the real ring's."""
+
+    def __init__(self, ring):
+        self.ring, self.held = ring, None
+
+    def __getattr__(self, name):
+        return getattr(self.ring, name)
+
+    def take(self, tag, gid, addr, nbytes, dtype16, single=True):
+        if self.held is None and single and nbytes >= 2 * CHUNK:
+            got = self.ring.take(tag, gid, addr, nbytes, dtype16, single)
+            if got != layout.DONE:
+                return got
+            self.held = (addr, ctypes.string_at(addr, nbytes))
+            ctypes.memset(addr, 0, CHUNK)
+            return layout.HELPING
+        if self.held is not None:
+            first, message = self.held
+            self._land()
+            if addr != first:       # (read again for another receive: the whole message)
+                ctypes.memmove(addr, message, nbytes)
+            self.held = False
+            return layout.DONE
+        return self.ring.take(tag, gid, addr, nbytes, dtype16, single)
+
+    def _land(self):
+        first, message = self.held
+        ctypes.memmove(first, message, CHUNK)
+
+    def help_open(self):
+        return bool(self.held) or self.ring.help_open()
+
+    def settle_help(self):
+        if self.held:
+            self._land()        # (its record stays: the next take reads it for its receive)
+        return True if self.held else self.ring.settle_help()
+
+
+def two_senders_any_source(rank, world_size, init_method, n, flag):
+    """Rank 2 posts two any-source receives of ``n`` bytes; then ranks 0 and 1
+    each send it a single copy (same tag), and once both records are in its
+    rings rank 2 waits. Its ring from rank 0 (scanned first) says the first
+    receive is still being read with rank 0's help (LateChunk): that receive
+    must then take nothing from rank 1, or rank 0's late chunk would land in
+    the middle of rank 1's message."""
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size)
+    if rank < 2:
+        _wait_for(f"{flag}.posted")
+        sent = dist.isend(pattern(n, rank), 2, tag=7)
+        open(f"{flag}.{rank}", "w").close()
+        sent.wait()
+        out = None
+    else:
+        eng = engine()
+        assert [src for src, _ in eng.chan_in][:2] == [0, 1]
+        late = LateChunk(eng.chan_in[0][1])
+        eng.chan_in[0] = (0, late)
+        eng.chan_from[0] = late
+        intos = [np.zeros(n, np.uint8) for _ in range(2)]
+        reqs = [dist.irecv(x, None, tag=7) for x in intos]
+        open(f"{flag}.posted", "w").close()
+        for s in (0, 1):
+            _wait_for(f"{flag}.{s}")        # (in no shmdist call: both records wait in the rings)
+        for q in reqs:
+            q.wait()
+        eng.chan_in[0] = (0, late.ring)
+        eng.chan_from[0] = late.ring
+        out = [(q.source, bool(np.array_equal(x, pattern(n, q.source)))) for q, x in zip(reqs, intos)]
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def test_an_any_source_receive_read_with_help_takes_no_other_message_meanwhile(run_ranks, tmp_path):
+    got = run_ranks(two_senders_any_source, 3, BIG + 7, str(tmp_path / "sent"), timeout=60)[2]
+    assert sorted(src for src, _ in got) == [0, 1]
+    assert got == [(0, True), (1, True)], got      # the first is rank 0's, whole; rank 1's went to the second

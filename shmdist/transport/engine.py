@@ -170,6 +170,11 @@ class Engine:
         self.single = {}                  # local peer -> smallest message it reads itself (once known)
         self.pid = os.getpid()
         self.chan_in = list(chan_in.items())   # (global rank, channel we consume)
+        self.chan_from = chan_in
+        # source -> the any-source receive being read from its ring with the sender's help (take
+        # said HELPING): while that help is open the sender may still write a chunk into the
+        # receive's buffer, so no other source's message may be given to it (_reserved)
+        self.reading: dict = {}
         for src, chan in self.chan_in:    # (both ways at once, a single copy's reading is not shared)
             if isinstance(chan, _core.Ring) and isinstance(chan_out.get(src), _core.Ring):
                 chan.pair(chan_out[src])
@@ -397,6 +402,8 @@ class Engine:
         rx, posted, sendq = queues.rx, queues.posted, queues.sendq
         if self.ways is not None and self.ways.pending:
             self.ways.poll()
+        if self.reading:
+            self.reading = {s: r for s, r in self.reading.items() if self.chan_from[s].help_open()}
         if self.lane.pending is not None:
             if posted or queues.unexpected or any(inc is not None for inc in rx.values()):
                 self.lane.settle()
@@ -439,6 +446,8 @@ class Engine:
                                 drain = False
                                 continue
                             if got == HELPING:
+                                if r.src is None:
+                                    self.reading[src] = r
                                 break       # the producer copies chunks of it too: later
                     if chan.help_open() and (not single or not chan.settle_help()):
                         break   # the record is being read for a receive: its own (or the one gone) first
@@ -537,9 +546,15 @@ class Engine:
     def _next_posted(self, src: int) -> _Recv | None:
         """The receive the next record from ``src`` goes to if its tag and group fit."""
         for r in self.queues.posted:
-            if r.src is None or r.src == src:
+            if r.src == src or (r.src is None and not (self.reading and self._reserved(r, src))):
                 return r
         return None
+
+    def _reserved(self, r: _Recv, src: int) -> bool:
+        """Whether the any-source receive ``r`` is being read from another source's
+        ring with that sender's help still open: a chunk of that message may yet
+        land in its buffer, so it takes no message from ``src`` (lock held)."""
+        return any(held is r and s != src for s, held in self.reading.items())
 
     def _arrive(self, src: int, header: bytes, drain: bool) -> _Incoming | None:
         magic, version, ndim, tag, gid, hsrc, flags, nbytes, dtype, *dims = HDR.unpack(header)
@@ -560,7 +575,7 @@ class Engine:
         posted = self.queues.posted
         while i < len(posted):
             r = posted[i]
-            if inc.matches(r):
+            if inc.matches(r) and not (self.reading and r.src is None and self._reserved(r, src)):
                 del posted[i]
                 if self._fits(r, inc):
                     inc.target = r
