@@ -49,6 +49,10 @@ def check(op: ReduceOp, dtype: str, array_kind: str | None, who: str) -> None:
         raise DistError(f"{who}: {dtype} tensors cannot be reduced (numpy has no such type); "
                         "convert to float32 first")
     kind = "f" if dtype == "bfloat16" else array_kind
+    if kind not in "biufc":
+        raise DistError(f"{who}: {dtype} tensors cannot be reduced with ReduceOp.{op.name}: reductions "
+                        "take numbers and bools (this is a structured, string or time dtype); reduce its "
+                        "numeric fields, or use all_gather and combine them yourself")
     if op in _BITWISE and kind not in "iub":
         raise DistError(f"{who}: ReduceOp.{op.name} needs an integer or bool tensor, got {dtype}; "
                         "use SUM/MIN/MAX or reinterpret the bits as an integer dtype")

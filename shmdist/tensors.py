@@ -145,6 +145,12 @@ def typed_view(buf: Buf) -> np.ndarray | None:
         return obj.reshape(-1)
     torch = _torch()
     flat = obj.reshape(-1)
+    # not flat.numpy(): that marks the tensor's storage not resizable (a tensor once all_reduced
+    # could not grow, which gloo allows); this view owns nothing, and is used within the call,
+    # while buf holds the tensor
+    view = _view_of(flat, True, flat.data_ptr())
+    if view is not None:
+        return view.view(np.uint16) if view.dtype is BF16_BITS else view
     if flat.dtype == torch.bfloat16:
         return flat.view(torch.int16).numpy().view(np.uint16)
     try:
@@ -207,6 +213,16 @@ def numpy_view(t, bits: bool = False) -> np.ndarray | None:
         if dtype is t.dtype and kept[0] == t.shape and t.is_contiguous() and not t.is_neg() \
                 and (bits or dtype is not _BF16) and (not kept[3] or not t.is_conj()):
             return kept[2]
+    view = _view_of(t, bits, ptr)
+    if view is not None:
+        if len(_VIEWS) >= _MAX_VIEWS:
+            _VIEWS.clear()
+        _VIEWS[ptr] = (t.shape, t.dtype, view, t.dtype in _COMPLEX)
+    return view
+
+
+def _view_of(t, bits: bool, ptr: int) -> np.ndarray | None:
+    """numpy_view's view, made anew (not cached); it owns nothing either."""
     torch = sys.modules["torch"]
     if not _NUMPY_OF:
         _numpy_dtypes(torch)
@@ -217,8 +233,4 @@ def numpy_view(t, bits: bool = False) -> np.ndarray | None:
     nbytes = t.numel() * dtype.itemsize
     if nbytes == 0:
         return None
-    view = np.ndarray(tuple(t.shape), dtype, buffer=(ctypes.c_char * nbytes).from_address(ptr))
-    if len(_VIEWS) >= _MAX_VIEWS:
-        _VIEWS.clear()
-    _VIEWS[ptr] = (t.shape, t.dtype, view, t.dtype in _COMPLEX)
-    return view
+    return np.ndarray(tuple(t.shape), dtype, buffer=(ctypes.c_char * nbytes).from_address(ptr))

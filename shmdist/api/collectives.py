@@ -258,8 +258,12 @@ _MEDIUM_NAMES: dict = {}   # numpy dtype of a fast view -> the general path's na
 
 def _learn(view, buf) -> None:
     """The general path took the tensor of fast view ``view`` (None: it had
-    none) as ``buf``: its dtype's name, for _medium_buf."""
-    if view is not None and buf.finish is None and view.dtype is not BF16_BITS and buf.dtype != "bfloat16":
+    none) as ``buf``: its dtype's name, for _medium_buf. Only where it took
+    the view's own memory as it is: a root's non-native byte order, say, is
+    read from a native copy (with no ``finish``, a root only reads), and
+    that copy's name is not the view's."""
+    if view is not None and buf.finish is None and view.dtype is not BF16_BITS and buf.dtype != "bfloat16" \
+            and view.dtype.isnative and view.size and buf.addr == view.ctypes.data:
         _MEDIUM_NAMES[view.dtype] = buf.dtype     # (a bfloat16 view has a dtype of its own, BF16_BITS)
 
 

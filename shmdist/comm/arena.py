@@ -625,7 +625,8 @@ class GroupComm:
             return True
         if how == BROKEN or how == NOT_TAKEN:
             return False
-        what = lambda: f"broadcast(src={self.ranks[root]}, {describe(arr.nbytes, arr.dtype.name, arr.shape)})"
+        what = lambda: f"broadcast(src={self.ranks[root]}, " \
+                       f"{describe(arr.nbytes, dtype_name or arr.dtype.name, arr.shape)})"
         try:                              # the Phaser left the lock held
             if how == DIFFER or self._finish_pass(what, timeout, True) == DIFFER:
                 self._mismatch(what)
@@ -643,7 +644,7 @@ class GroupComm:
         or the calls differ (DIFFER); apart, so that the common call makes no
         closure."""
         kind, code, _ = self.ph.plan(arr.dtype, op, dtype_name)
-        what = lambda: f"all_reduce({op.name}, {describe(arr.nbytes, arr.dtype.name, arr.shape)})"
+        what = lambda: f"all_reduce({op.name}, {describe(arr.nbytes, dtype_name or arr.dtype.name, arr.shape)})"
         try:                              # the Phaser left the lock held
             if how == DIFFER or self._finish_pass(what, timeout, True) == DIFFER:
                 self._mismatch(what)
