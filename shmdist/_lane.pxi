@@ -231,7 +231,8 @@ cdef class Lane:
                                            PyBytes_AS_STRING(dtype16))  # trace: send, posted
                     req._lane = self
                     op = _Sent.__new__(_Sent)
-                    op.req, op.arr, op.addr, op.nbytes, op.dst = req, arr if owner is None else owner, <size_t>view.buf, <uint64_t>view.len, d
+                    op.req, op.addr, op.nbytes, op.dst = req, <size_t>view.buf, <uint64_t>view.len, d
+                    op.arr = arr if owner is None else owner
                     q = self.q.awaiting.get(d)
                     if q is None:
                         q = self.q.awaiting[d] = self.deque()
