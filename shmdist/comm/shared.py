@@ -192,18 +192,23 @@ def allocate(rank: int, g, comm, spec: Spec, timeout: float):
             why = str(e).encode()
             rec = json.dumps({"error": str(e)}).encode()
         _put(comm, b, rec)
-    comm._pass(what, timeout)
-    if me != 0:
-        rec = json.loads(_get(comm, 0, b))
-        try:
-            if "error" in rec:
-                raise DistError(f"{who}: rank {g.ranks[0]} could not make the shared memory: {rec['error']}")
-            seg = segment.attach(rec, who, f"rank {g.ranks[0]}")
-        except Exception as e:     # noqa: BLE001 - said to every member below
-            why = str(e).encode()
-    b = comm.phase % 2
-    _put(comm, b, why)
-    comm._pass(what, timeout)                 # every member mapped it (or said why not)
+    try:
+        comm._pass(what, timeout)
+        if me != 0:
+            rec = json.loads(_get(comm, 0, b))
+            try:
+                if "error" in rec:
+                    raise DistError(f"{who}: rank {g.ranks[0]} could not make the shared memory: {rec['error']}")
+                seg = segment.attach(rec, who, f"rank {g.ranks[0]}")
+            except Exception as e:     # noqa: BLE001 - said to every member below
+                why = str(e).encode()
+        b = comm.phase % 2
+        _put(comm, b, why)
+        comm._pass(what, timeout)             # every member mapped it (or said why not)
+    except BaseException:
+        if seg is not None:                   # a member died or timed out: this one's memory goes now
+            seg.close()                       # (its descriptor too, which nothing else would close)
+        raise
     if seg is not None:
         seg.release()                         # the creator's descriptor: the mappings keep it now
     failed = [(g.ranks[j], _get(comm, j, b).decode()) for j in range(n)]
