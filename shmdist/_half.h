@@ -1,7 +1,10 @@
 /* Reductions of bfloat16 and float16 vectors: each input widened to float32
  * (exactly), combined in float32 in rank order, rounded once to the 16-bit
  * type, round-to-nearest-even, NaN kept as NaN. Bit for bit what
- * reduce_ops.reduce_into's numpy path gives:
+ * reduce_ops.reduce_into's numpy path gives, but for which NaN's payload an
+ * element with several NaN inputs keeps: here always the first in rank order,
+ * quietened (SD_COMBINE); numpy's choice depends on where the element falls in
+ * its loops (vector body or tail, in place or not):
  *
  *   bfloat16 -> float32   the bits shifted left by 16
  *   float32 -> bfloat16   (b + 0x7FFF + ((b >> 16) & 1)) >> 16; a NaN becomes
