@@ -28,6 +28,8 @@ import pytest
 
 import shmdist as dist
 
+from test_medium_path import counting_general_calls
+
 KB = 1 << 10
 PAIR_SMALL = 512 * KB           # 2-rank quick all_reduce: up to this
 ROUND = 1 << 20                 # a round of the arena (quick broadcast: up to this)
@@ -90,23 +92,6 @@ def outcome(fn):
         return (type(e).__name__, str(e))
 
 
-def counting_general_calls() -> dict:
-    """Count the calls that reach the general path (collectives._enter) in this rank."""
-    from shmdist.api import collectives
-    seen = {"all_reduce": 0, "broadcast": 0}
-    enter = collectives._enter
-
-    def counted(op, group):
-        if op in seen:
-            seen[op] += 1
-        return enter(op, group)
-    collectives._enter = counted
-    return seen
-
-
-# ------------------------------------------------------------------ a sweep of calls
-
-# (call, dtype, count, op or root): counts around the 2-rank one-call limit (512 KiB) and a round (1 MiB)
 def _plan() -> list:
     plan = []
     for dtype in ("float32", "float64", "int32", "int64", "uint8", "bool", "complex64", "float16"):

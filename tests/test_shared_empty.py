@@ -23,6 +23,18 @@ BIG = 70001            # float32 elements: 280 KB, above the in-place threshold,
 OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
 
 
+def both_reduced(plain, shared_arr, op: str) -> list:
+    """all_reduce ``plain`` then ``shared_arr`` with ``op``; each one's error's type name, or None."""
+    errors = []
+    for x in (plain, shared_arr):
+        try:
+            dist.all_reduce(x, getattr(dist.ReduceOp, op))
+            errors.append(None)
+        except dist.DistError as e:
+            errors.append(type(e).__name__)
+    return errors
+
+
 def _count_in_place():
     """Wrap the in-place collectives so the rank can tell how often they ran."""
     calls = {"all_reduce": 0, "broadcast": 0}
@@ -61,13 +73,7 @@ def against_plain(rank, world_size, init_method):
                 want = _data(rank, count, dtype)
                 got = dist.empty((count,), dtype)
                 got[:] = want
-                errors = []
-                for x in (want, got):
-                    try:
-                        dist.all_reduce(x, getattr(dist.ReduceOp, op))
-                        errors.append(None)
-                    except dist.DistError as e:
-                        errors.append(type(e).__name__)
+                errors = both_reduced(want, got, op)
                 if errors[0] != errors[1]:
                     bad.append(f"{dtype} {op} {count}: plain {errors[0]}, shared {errors[1]}")
                 elif errors[0] is None:

@@ -25,21 +25,11 @@ import pytest
 import shmdist as dist
 from shmdist.comm import shared
 
+from test_shared_empty import _count_in_place, both_reduced
+
 BIG = 70001                         # float32 elements: 280 KB, above the in-place threshold, odd
 MIN_COUNT = shared.IN_PLACE_MIN // 4   # float32 elements of exactly the threshold (not in place)
 OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
-
-
-def _count_in_place():
-    calls = {"all_reduce": 0, "broadcast": 0}
-    for name in calls:
-        orig = getattr(shared, name)
-
-        def counted(*a, _orig=orig, _name=name):
-            calls[_name] += 1
-            return _orig(*a)
-        setattr(shared, name, counted)
-    return calls
 
 
 def _floats(rank: int, count: int, dtype=np.float32, near_one=False) -> np.ndarray:
@@ -215,13 +205,7 @@ def dtypes_against_plain(rank, world_size, init_method):
         for op in OPS:
             want = _values(rank, count, dtype)
             got[:] = want
-            errors = []
-            for x in (want, got):
-                try:
-                    dist.all_reduce(x, getattr(dist.ReduceOp, op))
-                    errors.append(None)
-                except dist.DistError as e:
-                    errors.append(type(e).__name__)
+            errors = both_reduced(want, got, op)
             if errors[0] != errors[1]:
                 bad.append(f"{dtype} {op}: plain {errors[0]}, shared {errors[1]}")
             elif errors[0] is None:
@@ -235,7 +219,7 @@ def dtypes_against_plain(rank, world_size, init_method):
         dist.broadcast(got, root)
         if got.tobytes() != want.tobytes():
             bad.append(f"{dtype} broadcast from {root}")
-        del got, x
+        del got
     gc.collect()
     left = dist.memory_usage()["empty_arrays"], len(shared.live)
     dist.destroy_process_group()
@@ -508,6 +492,18 @@ def test_one_rank_frees_its_array_while_another_keeps_it(run_ranks, no_new_dev_s
 
 # ---------------------------------------------------------------- many allocations, destroy, re-init
 
+def _outcomes(*calls) -> list:
+    """Each call's error as "Type: message", or None."""
+    said = []
+    for call in calls:
+        try:
+            call()
+            said.append(None)
+        except dist.DistError as e:
+            said.append(f"{type(e).__name__}: {e}")
+    return said
+
+
 def churn_and_reinit(rank, world_size, init_method, folder):
     dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=30)
     gc.collect()
@@ -534,24 +530,10 @@ def churn_and_reinit(rank, world_size, init_method, folder):
     big[:] = rank + 1
     dist.destroy_process_group()
     out["readable"] = float(view[-1])
-    errors = []
-    for call in (lambda: dist.all_reduce(big), lambda: dist.broadcast(view, 0)):
-        try:
-            call()
-            errors.append(None)
-        except dist.DistError as e:
-            errors.append(f"{type(e).__name__}: {e}")
-    out["before_reinit"] = errors
+    out["before_reinit"] = _outcomes(lambda: dist.all_reduce(big), lambda: dist.broadcast(view, 0))
     dist.init_process_group("shm", f"file://{folder}/again", rank=rank, world_size=world_size, timeout=30)
-    errors = []
-    for call in (lambda: dist.all_reduce(big), lambda: dist.broadcast(view, 0),
-                 lambda: dist.all_reduce(view, async_op=True)):
-        try:
-            call()
-            errors.append(None)
-        except dist.DistError as e:
-            errors.append(f"{type(e).__name__}: {e}")
-    out["after_reinit"] = errors
+    out["after_reinit"] = _outcomes(lambda: dist.all_reduce(big), lambda: dist.broadcast(view, 0),
+                                    lambda: dist.all_reduce(view, async_op=True))
     fresh = dist.empty(BIG, np.float32)           # the new world's first allocation
     fresh[:] = rank + 1
     req = dist.all_reduce(fresh, async_op=True)
@@ -605,12 +587,9 @@ def killed_mid_all_reduce(rank, world_size, init_method):
     return None
 
 
-def killed_mid_empty(rank, world_size, init_method):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=20)
-    gc.collect()
-    fds0, maps0 = _memfd_fd_sizes(), _memfd_maps()
-    if rank == 1:          # dies after rank 0 made the segment, before mapping it
-        shared._get = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+def _empty_and_what_is_left(fds0: list) -> tuple:
+    """Call empty(); (its error as text or None, the sizes of the memfd descriptors
+    this process holds now that it did not hold before, ``fds0``)."""
     try:
         dist.empty(BIG, np.float32)
         text = None
@@ -620,6 +599,16 @@ def killed_mid_empty(rank, world_size, init_method):
     left = sorted(_memfd_fd_sizes())
     for size in fds0:
         left.remove(size)
+    return text, left
+
+
+def killed_mid_empty(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=20)
+    gc.collect()
+    fds0, maps0 = _memfd_fd_sizes(), _memfd_maps()
+    if rank == 1:          # dies after rank 0 made the segment, before mapping it
+        shared._get = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+    text, left = _empty_and_what_is_left(fds0)
     return text, left, _memfd_maps() - maps0
 
 
@@ -655,16 +644,7 @@ def stalled_mid_empty(rank, world_size, init_method):
             time.sleep(2)
             return orig(*args)
         shared._get = slow
-    try:
-        dist.empty(BIG, np.float32)
-        text = None
-    except dist.DistError as e:
-        text = f"{type(e).__name__}: {e}"
-    gc.collect()
-    left = sorted(_memfd_fd_sizes())
-    for size in fds0:
-        left.remove(size)
-    return text, left
+    return _empty_and_what_is_left(fds0)
 
 
 def test_a_rank_stalled_while_empty_sets_up_leaves_nothing_behind(run_ranks, no_new_dev_shm):
