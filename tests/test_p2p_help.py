@@ -355,7 +355,6 @@ def two_senders_any_source(rank, world_size, init_method, n, flag):
         assert [src for src, _ in eng.chan_in][:2] == [0, 1]
         late = LateChunk(eng.chan_in[0][1])
         eng.chan_in[0] = (0, late)
-        eng.chan_from[0] = late
         intos = [np.zeros(n, np.uint8) for _ in range(2)]
         reqs = [dist.irecv(x, None, tag=7) for x in intos]
         open(f"{flag}.posted", "w").close()
@@ -364,7 +363,6 @@ def two_senders_any_source(rank, world_size, init_method, n, flag):
         for q in reqs:
             q.wait()
         eng.chan_in[0] = (0, late.ring)
-        eng.chan_from[0] = late.ring
         out = [(q.source, bool(np.array_equal(x, pattern(n, q.source)))) for q, x in zip(reqs, intos)]
     dist.barrier()
     dist.destroy_process_group()

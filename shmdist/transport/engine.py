@@ -170,9 +170,8 @@ class Engine:
         self.single = {}                  # local peer -> smallest message it reads itself (once known)
         self.pid = os.getpid()
         self.chan_in = list(chan_in.items())   # (global rank, channel we consume)
-        self.chan_from = chan_in
-        # source -> the any-source receive being read from its ring with the sender's help (take
-        # said HELPING): while that help is open the sender may still write a chunk into the
+        # source -> (its ring, the any-source receive being read from it with the sender's help:
+        # take said HELPING): while that help is open the sender may still write a chunk into the
         # receive's buffer, so no other source's message may be given to it (_reserved)
         self.reading: dict = {}
         for src, chan in self.chan_in:    # (both ways at once, a single copy's reading is not shared)
@@ -403,7 +402,7 @@ class Engine:
         if self.ways is not None and self.ways.pending:
             self.ways.poll()
         if self.reading:
-            self.reading = {s: r for s, r in self.reading.items() if self.chan_from[s].help_open()}
+            self.reading = {s: held for s, held in self.reading.items() if held[0].help_open()}
         if self.lane.pending is not None:
             if posted or queues.unexpected or any(inc is not None for inc in rx.values()):
                 self.lane.settle()
@@ -447,7 +446,7 @@ class Engine:
                                 continue
                             if got == HELPING:
                                 if r.src is None:
-                                    self.reading[src] = r
+                                    self.reading[src] = (chan, r)
                                 break       # the producer copies chunks of it too: later
                     if chan.help_open() and (not single or not chan.settle_help()):
                         break   # the record is being read for a receive: its own (or the one gone) first
@@ -554,7 +553,7 @@ class Engine:
         """Whether the any-source receive ``r`` is being read from another source's
         ring with that sender's help still open: a chunk of that message may yet
         land in its buffer, so it takes no message from ``src`` (lock held)."""
-        return any(held is r and s != src for s, held in self.reading.items())
+        return any(held[1] is r and s != src for s, held in self.reading.items())
 
     def _arrive(self, src: int, header: bytes, drain: bool) -> _Incoming | None:
         magic, version, ndim, tag, gid, hsrc, flags, nbytes, dtype, *dims = HDR.unpack(header)
