@@ -207,7 +207,7 @@ cdef class Lane:
 @cython.final
 cdef class Phaser:
     """_phaser.pxi"""
-    cdef public uint64_t phase, calls
+    cdef public uint64_t phase, calls, call_phase   # call_phase: the first phase of the last call
     cdef public object broken            # why the group is unusable, or None
     cdef size_t flags, stride, bell, bufs, slot
     cdef int n, me

@@ -73,6 +73,8 @@ cdef class Phaser:
             sd_store64(<uint64_t *>(mine + SD_SLOT_CHECK), check)    # before the phase, as the descriptor
         self.phase += 1
         target = self.phase
+        if desc != NULL:
+            self.call_phase = target      # (a member at or past it has begun this call: arena's timeouts)
         sd_store64(<uint64_t *>mine, target)
         sd_fence()
         # trace: this call, from its descriptor, written while the others may still be on their
@@ -88,8 +90,9 @@ cdef class Phaser:
                                    (<const int64_t *>(desc + SD_DESC_OP))[0],
                                    (<const uint64_t *>(desc + SD_DESC_NBYTES))[0], self.calls,
                                    desc + SD_DESC_DTYPE)
-        else:
+        elif desc != NULL:
             self.tseq = 0
+        # (a later phase keeps its call's entry: waiting there, the call is marked waiting again)
         for i in range(self.nothers):    # a waiter spins on the flags; wake the sleepers (_bells.pxi)
             if (sd_load32(_u32(<size_t>self.others[i] + SD_CTL_PHASE_SLEEPING))
                     or sd_load32(_u32(<size_t>self.others[i] + SD_CTL_SLEEPING))):

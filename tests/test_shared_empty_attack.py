@@ -656,3 +656,40 @@ def test_a_rank_stalled_while_empty_sets_up_leaves_nothing_behind(run_ranks, no_
     assert text is not None and text.startswith("DistTimeoutError"), text
     assert out[1][0] is not None          # rank 1 finds the group broken (or timed out) too
     assert fds == [], f"rank 0 still holds memfd descriptor(s) of {fds} bytes: the segment allocate() made"
+
+
+
+def stalled_inside_or_absent(rank, world_size, init_method, stalled):
+    """``stalled``: rank 1 calls empty() and stalls inside it (after rank 0 made the segment,
+    before it maps it); else it calls empty() only after rank 0 gave up. Rank 0's error."""
+    import time
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=1.5)
+    if rank == 1 and stalled:
+        orig = shared._get
+
+        def slow(*args):
+            time.sleep(3)
+            return orig(*args)
+        shared._get = slow
+    elif rank == 1:
+        time.sleep(3)
+    try:
+        dist.empty(BIG, np.float32)
+        return None
+    except dist.DistError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("stalled", [True, False], ids=["stalled inside", "not called"])
+def test_a_timeout_in_empty_says_whether_the_late_rank_called_it(run_ranks, no_new_dev_shm, stalled):
+    """A member stalled inside a call is not one that has not called it: the waiting rank's
+    message says which (it said "have not called it" of a member stalled inside), and its
+    flight recorder shows it inside empty() (it said "not inside any shmdist call": the entry,
+    marked done when the first phase passed, was not marked waiting in the later ones)."""
+    text = run_ranks(stalled_inside_or_absent, 2, stalled, timeout=60)[0]
+    assert text is not None and text.startswith("DistTimeoutError"), text
+    first = text.splitlines()[0]
+    assert "waiting for rank(s) 1 of group [0, 1]" in first, first
+    said = "rank 1 called it and has not finished its part" if stalled else "rank 1 has not called it"
+    assert said in first, first
+    assert "rank 0: in empty #1 of WORLD" in text, text

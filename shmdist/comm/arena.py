@@ -289,8 +289,20 @@ class GroupComm:
                 self.world.engine.note_timeout(f"{what} waiting for rank{'s' if len(late) > 1 else ''} {waiting}")
                 raise DistTimeoutError(
                     f"rank {self.rank}: {what}: Timed out after {timeout:g} s waiting for rank(s) "
-                    f"{waiting} of group {list(self.ranks)}; they have not called it. This "
+                    f"{waiting} of group {list(self.ranks)}; {self._where(late, target)}. This "
                     "group can no longer run collectives: destroy it (or the job) and start again")
+
+    def _where(self, late: list, target: int) -> str:
+        """Where the members ``late`` (indices) are, for a timeout's message: at the call's
+        first phase, not yet in this call; at a later one, inside it (every member passed
+        the first phase: stopped, or busy between its phases)."""
+        names = f"rank {self.ranks[late[0]]}" if len(late) == 1 else \
+            f"ranks {', '.join(str(self.ranks[i]) for i in late)}"
+        has = "has" if len(late) == 1 else "have"
+        if target == self.ph.call_phase:
+            return f"{names} {has} not called it"
+        return f"{names} called it and {has} not finished {'its' if len(late) == 1 else 'their'} " \
+               "part (stopped, or busy inside the call)"
 
     def _first_pass(self, what, desc: tuple | bytes, timeout: float) -> None:
         """The first phase of a call: publish the descriptor (a tuple, or
@@ -887,3 +899,4 @@ def _describe(d: tuple) -> str:
     elif extra and name in ("all_reduce", "broadcast"):     # in place (comm/shared.py)
         args.append(f"in place in shmdist.empty memory #{extra >> 40} at offset {extra & (1 << 40) - 1}")
     return f"{name}({', '.join(args)})"
+

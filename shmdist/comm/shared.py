@@ -212,7 +212,7 @@ def allocate(rank: int, g, comm, spec: Spec, timeout: float):
     if seg is not None:
         seg.release()                         # the creator's descriptor: the mappings keep it now
     failed = [(g.ranks[j], _get(comm, j, b).decode()) for j in range(n)]
-    failed = [f"rank {r}: {text}" for r, text in failed if text]
+    failed = [text if text.startswith(f"rank {r}: ") else f"rank {r}: {text}" for r, text in failed if text]
     if failed:
         if seg is not None:
             seg.close()
