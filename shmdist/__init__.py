@@ -5,6 +5,14 @@
     req = dist.send(t, dst=1)
     req.wait()
 """
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"]:     # `python -m shmdist.settings` (or another module): runpy imports this first
+    import warnings as _warnings
+    # the package imports shmdist.settings itself, which runpy would warn about before running it
+    _warnings.filterwarnings("ignore", message=r"'shmdist\.[a-z_.]+' found in sys\.modules",
+                             category=RuntimeWarning)
+
 from shmdist.errors import (DistError, DistMismatchError, DistNotInitializedError, DistPeerError,
                             DistTimeoutError)
 from shmdist.api.group import (P2POp, ProcessGroup, batch_isend_irecv, destroy_process_group, get_backend,

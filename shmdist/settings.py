@@ -11,6 +11,7 @@ Code that starts processes may still copy ``os.environ`` for the children.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable, NamedTuple
 
@@ -22,43 +23,72 @@ class Setting(NamedTuple):
     meaning: str
 
 
-def _int(text: str) -> int:
-    return int(text, 0)
+# A parser returns the value, or raises ValueError saying what it expected (get() names the
+# variable and the value around it).
+
+def _count(lo: int, hi: int = 1 << 62, what: str = "a whole number") -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip(), 0)
+        except ValueError:
+            value = None
+        if value is None or not lo <= value <= hi:
+            raise ValueError(f"{what} from {lo} to {hi}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < 1e9):      # (nan, inf and <= 0 are refused: a deadline must come)
+        raise ValueError("a number of seconds above 0 and below 1e9")
+    return value
 
 
 def _flag(text: str) -> bool:
-    return text.strip().lower() not in ("0", "false", "no", "off")
+    said = text.strip().lower()
+    if said in ("1", "true", "yes", "on"):
+        return True
+    if said in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("1 or 0 (or true/false, yes/no, on/off)")
 
 
-def _multiple_of_page(name: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text, 0)
-        if value < 4096 or value % 4096:
-            raise ValueError(f"{name}={text}: must be a multiple of 4096")
-        return value
-    return parse
+def _transport(text: str) -> str:
+    said = text.strip().lower()
+    if said not in ("tcp", "shm"):
+        raise ValueError("tcp (or shm, the default)")
+    return said
 
 
-def _power_of_two(name: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text, 0)
-        if value < 4096 or value & (value - 1):
-            raise ValueError(f"{name}={text}: the ring size must be a power of two >= 4096")
-        return value
-    return parse
+def _multiple_of_page(text: str) -> int:
+    value = _count(4096, 1 << 40, "a multiple of 4096 bytes")(text)
+    if value % 4096:
+        raise ValueError("a multiple of 4096 bytes, at least 4096")
+    return value
+
+
+def _power_of_two(text: str) -> int:
+    value = _count(4096, 1 << 40, "a power of two of bytes")(text)
+    if value & (value - 1):
+        raise ValueError("a power of two of bytes, at least 4096 (the ring size)")
+    return value
 
 
 SETTINGS = {s.name: s for s in (
-    Setting("SHMDIST_TIMEOUT", None, float,
+    Setting("SHMDIST_TIMEOUT", None, _seconds,
             "seconds an operation waits when init_process_group got no timeout (default 1800, as torch)"),
-    Setting("SHMDIST_TRANSPORT", "", str.lower,
+    Setting("SHMDIST_TRANSPORT", "", _transport,
             "'tcp' runs every rank as its own node over TCP, even on one host (tests, debugging)"),
-    Setting("SHMDIST_RING_BYTES", None, _power_of_two("SHMDIST_RING_BYTES"),
+    Setting("SHMDIST_RING_BYTES", None, _power_of_two,
             "bytes of each ring between two local ranks (default by local rank count, shm.py)"),
-    Setting("SHMDIST_STREAM_BYTES", None, _int,
+    Setting("SHMDIST_STREAM_BYTES", None, _count(0, what="a number of bytes"),
             "payloads at least this big are received with streaming stores; 0 never (default: half "
             "the last-level cache, at least 8 MiB)"),
-    Setting("SHMDIST_SINGLE_COPY", 32 << 10, _int,
+    Setting("SHMDIST_SINGLE_COPY", 32 << 10, _count(0, what="a number of bytes"),
             "a message to a local rank at least this big moves in one copy while a receive from that rank "
             "is pending (both ways at once; or, one way, when bigger than the ring or from 128 KiB): "
             "the receiver reads it from the sender's memory (process_vm_readv) "
@@ -75,13 +105,13 @@ SETTINGS = {s.name: s for s in (
             "(SHMDIST_SINGLE_COPY): that copy, or the ring, and takes the faster per destination, "
             "direction and size class, trying the other now and then (transport/ways.py); 0: always "
             "the single copy"),
-    Setting("SHMDIST_ARENA_BYTES", 1 << 20, _multiple_of_page("SHMDIST_ARENA_BYTES"),
+    Setting("SHMDIST_ARENA_BYTES", 1 << 20, _multiple_of_page,
             "bytes of each of the two buffers per member in a group's collective arena"),
-    Setting("SHMDIST_ROUND_BYTES", 512 << 10, _multiple_of_page("SHMDIST_ROUND_BYTES"),
+    Setting("SHMDIST_ROUND_BYTES", 512 << 10, _multiple_of_page,
             "most bytes of elements per round of a large all_reduce"),
-    Setting("SHMDIST_SPIN", 4000, int,
+    Setting("SHMDIST_SPIN", 4000, _count(0, (1 << 31) - 1, "a count of pauses"),
             "most cpu pauses a waiter spins before it sleeps (~50 us), when ranks do not outnumber cores"),
-    Setting("SHMDIST_YIELDS", 64, int,
+    Setting("SHMDIST_YIELDS", 64, _count(0, (1 << 31) - 1, "a count of yields"),
             "sched_yields a waiter makes before it sleeps, when local ranks outnumber cores"),
     Setting("SHMDIST_SECRET", None, str,
             "a shared secret: the store and the TCP transport refuse peers that cannot prove it"),
@@ -95,10 +125,10 @@ SETTINGS = {s.name: s for s in (
             "the address this rank's TCP transport listens on, when the default is wrong"),
     Setting("SHMDIST_INTER", "auto", lambda text: text.strip().lower() or "auto",
             "the engine between hosts: gloo, mpi or tcp; auto picks (inter.py)"),
-    Setting("SHMDIST_SHARD_BYTES", 256 << 10, _int,
+    Setting("SHMDIST_SHARD_BYTES", 256 << 10, _count(0, what="a number of bytes"),
             "all_reduce across hosts at least this big is sharded: local rank i carries the i-th share "
             "between hosts (hier.py); 0 never"),
-    Setting("SHMDIST_SHARD_PIECE_BYTES", 4 << 20, _int,
+    Setting("SHMDIST_SHARD_PIECE_BYTES", 4 << 20, _count(1, what="a number of bytes"),
             "a sharded all_reduce runs in pieces of about this many bytes, so that the bytes of one "
             "piece cross between hosts while the ranks reduce the next inside the host (hier.py)"),
     Setting("SHMDIST_TRACE", True, _flag,
@@ -122,7 +152,10 @@ def get(name: str, default=_UNSET):
     raw = os.environ.get(name)
     if not raw:
         return s.default if default is _UNSET else default
-    return s.parse(raw)
+    try:
+        return s.parse(raw)
+    except (ValueError, OverflowError) as e:
+        raise ValueError(f"{name}={raw!r}: expected {e}; set it so, or unset it for the default") from None
 
 
 # The launchers' variables (not shmdist's to define or parse: read as text, by

@@ -37,8 +37,9 @@ def _seconds(timeout) -> float:
         return DEFAULT_TIMEOUT if value is None else value
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < 1e9:
+        raise ValueError("timeout must be a positive number of seconds (finite, below 1e9) or a "
+                         f"timedelta, got {timeout!r}")
     return float(timeout)
 
 

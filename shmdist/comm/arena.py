@@ -219,7 +219,7 @@ class GroupComm:
         self.ph.broken = why
 
     def arena_bytes(self) -> int:
-        return self.seg.size
+        return self.seg.size if self.seg.mm is not None else 0     # (0: closed, its group destroyed)
 
     def unlink(self) -> None:
         """Remove the arena's name now, for a failed set-up (idempotent)."""

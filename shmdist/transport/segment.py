@@ -230,10 +230,7 @@ def share(store, key: str, nlocal: int, is_creator: bool, size: int, who: str,
             if seg is not None:
                 seg.close()
             if not announced:
-                try:
-                    store.set(key, json.dumps({"error": str(e) or type(e).__name__}).encode())
-                except Exception:   # noqa: BLE001 - the store may be what failed
-                    pass
+                announce_error(store, key, e)
             _name_the_dead(store, key, e)
             raise
     try:
@@ -247,6 +244,15 @@ def share(store, key: str, nlocal: int, is_creator: bool, size: int, who: str,
     except BaseException as e:
         _name_the_dead(store, key, e)
         raise
+
+
+def announce_error(store, key: str, e: BaseException) -> None:
+    """The creator of the memory announced under ``key`` failed before announcing it:
+    say why instead, so the others fail at once with the cause (share)."""
+    try:
+        store.set(key, json.dumps({"error": str(e) or type(e).__name__}).encode())
+    except Exception:   # noqa: BLE001 - the store may be what failed
+        pass
 
 
 def _name_the_dead(store, key: str, e: BaseException) -> None:

@@ -81,13 +81,18 @@ class ShmHost:
     @staticmethod
     def open(store, key: str, local_ranks: list[int], rank: int, who: str, timeout: float) -> "ShmHost":
         """Create (lowest local rank) or attach the host segment, and map it."""
-        _core.set_stream_min(stream_bytes())    # this process's receives, from now on
         n = len(local_ranks)
         creator = rank == local_ranks[0]
         size = ring = 0
-        if creator:
-            ring = ring_bytes_for(n)
-            size = segment_bytes(n, ring)
+        try:
+            _core.set_stream_min(stream_bytes())    # this process's receives, from now on
+            if creator:
+                ring = ring_bytes_for(n)
+                size = segment_bytes(n, ring)
+        except BaseException as e:
+            if creator:             # (a bad setting) the others learn it at once, not at their timeout
+                segment.announce_error(store, key, e)
+            raise
         seg = segment.share(store, key, n, creator, size, who, timeout,
                             init=lambda s: _LAYOUT.pack_into(s.mm, _LAYOUT_AT, ring, n))
         try:
