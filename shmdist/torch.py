@@ -27,6 +27,7 @@ round (default "shm", subgroups of "gloo") works, as any torch backend does.
 from __future__ import annotations
 
 import datetime
+import threading
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,15 @@ def _timed_out(e: DistTimeoutError) -> DistTimeoutError:
     return out
 
 
+def _bad(text: str) -> DistError:
+    """This layer's refusal of a collective's own arguments: the method that catches it
+    takes part in the call as a refusal (ShmProcessGroup._take_part), as shmdist's own
+    checks do (api.collectives._refusing), so the group stays in step."""
+    e = DistError(text)
+    e.refused_here = True
+    return e
+
+
 def _at_least(timeout):
     """A per-call timeout as shmdist takes it: 0 (torch's "do not wait") as the least wait."""
     if timeout is None:
@@ -127,15 +137,25 @@ class ShmWork(dist.Work):
         return self._tensors
 
     def get_future(self) -> torch.futures.Future:
-        """A completed Future of the tensors (a send or receive is waited for first)."""
+        """A Future of the tensors, returned at once: completed already for a collective
+        or a finished send or receive; for a pending one, completed when it finishes, by
+        a thread that waits for it (torch's Future cannot move shmdist's messages itself;
+        waiting here instead made two ranks that each asked for the Future of a receive
+        before their send wait for each other until the timeout)."""
         fut = torch.futures.Future()
+        if self.is_completed():
+            self._settle(fut)
+        else:
+            threading.Thread(target=self._settle, args=(fut,), name="shmdist-future", daemon=True).start()
+        return fut
+
+    def _settle(self, fut: torch.futures.Future) -> None:
         try:
             self.wait()
-        except DistError as e:
+        except Exception as e:    # noqa: BLE001 - the Future carries it
             fut.set_exception(e)
-            return fut
+            return
         fut.set_result(self._tensors)
-        return fut
 
     def _source_rank(self) -> int:
         """The group rank that sent what a receive from any rank got."""
@@ -205,9 +225,15 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def _global(self, group_rank, call: str, what: str = "root rank") -> int:
         if not isinstance(group_rank, int) or isinstance(group_rank, bool) or not 0 <= group_rank < self._n:
-            raise DistError(f"{self._who}.{call}: invalid {what}: {group_rank!r}; the group has ranks "
+            raise _bad(f"{self._who}.{call}: invalid {what}: {group_rank!r}; the group has ranks "
                             f"0..{self._n - 1} (torch passes group ranks to ProcessGroup methods)")
         return self._group.ranks[group_rank]
+
+    def _take_part(self, e: DistError, kind: str) -> None:
+        """After ``e``: if this layer refused the call (_bad), this rank still takes part in it, as
+        a refusal: the others raise a mismatch naming it, and every rank's next call lines up."""
+        if e.__dict__.pop("refused_here", False):
+            api.refuse_call(self._g, kind)
 
     def _op(self, op, call: str) -> ReduceOp:
         """shmdist's op for a ReduceOp (what options objects hold) or a RedOpType."""
@@ -215,7 +241,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         found = _OPS_BY_VALUE.get(getattr(red, "value", None))
         if found is None:
             name = getattr(red, "name", repr(red))
-            raise DistError(f"rank {self._group.world.rank}: {call}: ReduceOp.{name} is not supported "
+            raise _bad(f"rank {self._group.world.rank}: {call}: ReduceOp.{name} is not supported "
                             "by the shm backend; use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR")
         return found
 
@@ -224,10 +250,10 @@ class ShmProcessGroup(dist.ProcessGroup):
             return [tensors]
         if not isinstance(tensors, (list, tuple)) or not tensors:
             got = "an empty list" if isinstance(tensors, (list, tuple)) else type(tensors).__name__
-            raise DistError(f"{self._who}.{call}: {what} must be a non-empty list of tensors, got {got}")
+            raise _bad(f"{self._who}.{call}: {what} must be a non-empty list of tensors, got {got}")
         for i, t in enumerate(tensors):
             if not isinstance(t, _Tensor):
-                raise DistError(f"{self._who}.{call}: {what}[{i}] is a {type(t).__name__}, not a tensor")
+                raise _bad(f"{self._who}.{call}: {what}[{i}] is a {type(t).__name__}, not a tensor")
         return tensors
 
     def _alike(self, tensors, call: str, what: str = "tensors", sizes: bool = True) -> None:
@@ -235,7 +261,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         first = tensors[0]
         for i, t in enumerate(tensors[1:], 1):
             if t.dtype != first.dtype or (sizes and t.shape != first.shape):
-                raise DistError(
+                raise _bad(
                     f"{self._who}.{call}: invalid tensor {'type' if t.dtype != first.dtype else 'size'} "
                     f"at index {i} of {what}: {str(t.dtype)[6:]}{list(t.shape)}, but {what}[0] is "
                     f"{str(first.dtype)[6:]}{list(first.shape)}; tensors of one call must have one "
@@ -244,7 +270,7 @@ class ShmProcessGroup(dist.ProcessGroup):
     def _single(self, tensors, call: str, what: str = "tensors") -> _Tensor:
         tensors = self._tensors(tensors, call, what)
         if len(tensors) != 1:
-            raise DistError(f"{self._who}.{call}: requires a single-element list of {what}, got "
+            raise _bad(f"{self._who}.{call}: requires a single-element list of {what}, got "
                             f"{len(tensors)} (as gloo); make one call per tensor")
         return tensors[0]
 
@@ -276,6 +302,9 @@ class ShmProcessGroup(dist.ProcessGroup):
             return self._work(opts, tensors)
         except DistTimeoutError as e:
             raise _timed_out(e) from None
+        except DistError as e:
+            self._take_part(e, "all_reduce")
+            raise
 
     def _allreduce_several(self, tensors, red, rop) -> None:
         """gloo's allreduce of several tensors: one result over the ranks and the tensors, in each."""
@@ -310,6 +339,9 @@ class ShmProcessGroup(dist.ProcessGroup):
             return self._work(opts, tensors)
         except DistTimeoutError as e:
             raise _timed_out(e) from None
+        except DistError as e:
+            self._take_part(e, "all_reduce")
+            raise
 
     def broadcast(self, tensors, opts=None, root=None, timeout=None):
         try:
@@ -320,7 +352,7 @@ class ShmProcessGroup(dist.ProcessGroup):
             tensors = self._tensors(tensors, "broadcast")
             src = self._global(root_rank, "broadcast")
             if not 0 <= root_tensor < len(tensors):
-                raise DistError(f"{self._who}.broadcast: invalid root tensor: {root_tensor}; the call "
+                raise _bad(f"{self._who}.broadcast: invalid root tensor: {root_tensor}; the call "
                                 f"has {len(tensors)} tensor(s)")
             if len(tensors) == 1:
                 api.broadcast(tensors[0], src, self._g)
@@ -334,6 +366,9 @@ class ShmProcessGroup(dist.ProcessGroup):
             return self._work(opts, tensors)
         except DistTimeoutError as e:
             raise _timed_out(e) from None
+        except DistError as e:
+            self._take_part(e, "broadcast")
+            raise
 
     def reduce(self, tensors, opts=None, root=None, op=None, timeout=None):
         try:
@@ -349,6 +384,9 @@ class ShmProcessGroup(dist.ProcessGroup):
             return self._work(opts, [t])
         except DistTimeoutError as e:
             raise _timed_out(e) from None
+        except DistError as e:
+            self._take_part(e, "reduce")
+            raise
 
     def allgather(self, output_tensors, input_tensors, opts=None, timeout=None):
         try:
@@ -357,12 +395,12 @@ class ShmProcessGroup(dist.ProcessGroup):
             ins = self._tensors(input_tensors, "allgather", "input_tensors")
             k, n = len(ins), self._n
             if not isinstance(output_tensors, (list, tuple)) or len(output_tensors) != k:
-                raise DistError(f"{self._who}.allgather: output_tensors must be a list of {k} list(s) "
+                raise _bad(f"{self._who}.allgather: output_tensors must be a list of {k} list(s) "
                                 "of tensors, one list per input tensor")
             for i, outs in enumerate(output_tensors):
                 if not isinstance(outs, (list, tuple)) or len(outs) != n * k:
                     got = len(outs) if isinstance(outs, (list, tuple)) else type(outs).__name__
-                    raise DistError(f"{self._who}.allgather: invalid output tensor list at index {i} "
+                    raise _bad(f"{self._who}.allgather: invalid output tensor list at index {i} "
                                     f"(expected length {n * k}, got {got})")
             if k == 1:
                 api.all_gather(output_tensors[0], ins[0], self._g)
@@ -377,6 +415,9 @@ class ShmProcessGroup(dist.ProcessGroup):
             return self._work(opts, [t for outs in output_tensors for t in outs])
         except DistTimeoutError as e:
             raise _timed_out(e) from None
+        except DistError as e:
+            self._take_part(e, "all_gather")
+            raise
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """torch's layout: ``output_lists[r][i]`` gets ``input_list[i]`` of group rank r."""
@@ -385,7 +426,7 @@ class ShmProcessGroup(dist.ProcessGroup):
             n = self._n
             if not isinstance(output_lists, (list, tuple)) or len(output_lists) != n or any(
                     not isinstance(outs, (list, tuple)) or len(outs) != len(ins) for outs in output_lists):
-                raise DistError(f"{self._who}.allgather_coalesced: output_lists must be {n} lists (one "
+                raise _bad(f"{self._who}.allgather_coalesced: output_lists must be {n} lists (one "
                                 f"per rank of the group) of {len(ins)} tensors (one per input), "
                                 "output_lists[rank][i] receiving input i of that rank")
             for i, t in enumerate(ins):
@@ -393,6 +434,9 @@ class ShmProcessGroup(dist.ProcessGroup):
             return self._work(opts, [t for outs in output_lists for t in outs])
         except DistTimeoutError as e:
             raise _timed_out(e) from None
+        except DistError as e:
+            self._take_part(e, "all_gather")
+            raise
 
     def all_gather_single(self, output, input, opts=None):
         try:
@@ -425,18 +469,21 @@ class ShmProcessGroup(dist.ProcessGroup):
             dst = self._global(root_rank, "gather")
             if root_rank == self._me:
                 if not isinstance(output_tensors, (list, tuple)) or len(output_tensors) != 1:
-                    raise DistError(f"{self._who}.gather: the root requires a single-element list of "
+                    raise _bad(f"{self._who}.gather: the root requires a single-element list of "
                                     "output lists (one tensor per rank of the group in it)")
                 gather_list = output_tensors[0]
             else:
                 if output_tensors:
-                    raise DistError(f"{self._who}.gather: requires empty output on non-root ranks "
+                    raise _bad(f"{self._who}.gather: requires empty output on non-root ranks "
                                     f"(this is group rank {self._me}, the root is {root_rank})")
                 gather_list = None
             api.gather(t, gather_list, dst, self._g)
             return self._work(opts, list(gather_list or []))
         except DistTimeoutError as e:
             raise _timed_out(e) from None
+        except DistError as e:
+            self._take_part(e, "gather")
+            raise
 
     def scatter(self, output_tensors, input_tensors, opts=None, root=None, timeout=None):
         try:
@@ -450,18 +497,21 @@ class ShmProcessGroup(dist.ProcessGroup):
             src = self._global(root_rank, "scatter")
             if root_rank == self._me:
                 if not isinstance(input_tensors, (list, tuple)) or len(input_tensors) != 1:
-                    raise DistError(f"{self._who}.scatter: the root requires a single-element list of "
+                    raise _bad(f"{self._who}.scatter: the root requires a single-element list of "
                                     "input lists (one tensor per rank of the group in it)")
                 scatter_list = input_tensors[0]
             else:
                 if input_tensors:
-                    raise DistError(f"{self._who}.scatter: requires empty input on non-root ranks "
+                    raise _bad(f"{self._who}.scatter: requires empty input on non-root ranks "
                                     f"(this is group rank {self._me}, the root is {root_rank})")
                 scatter_list = None
             api.scatter(out, scatter_list, src, self._g)
             return self._work(opts, [out])
         except DistTimeoutError as e:
             raise _timed_out(e) from None
+        except DistError as e:
+            self._take_part(e, "scatter")
+            raise
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None, op=None, timeout=None):
         try:
@@ -472,12 +522,15 @@ class ShmProcessGroup(dist.ProcessGroup):
                 red = (opts or _C10D.ReduceScatterOptions()).reduceOp
             out = self._single(output_tensors, "reduce_scatter", "output_tensors")
             if not isinstance(input_lists, (list, tuple)) or len(input_lists) != 1:
-                raise DistError(f"{self._who}.reduce_scatter: requires a single-element list of input "
+                raise _bad(f"{self._who}.reduce_scatter: requires a single-element list of input "
                                 "lists (one tensor per rank of the group in it)")
             api.reduce_scatter(out, input_lists[0], self._op(red, "reduce_scatter"), self._g)
             return self._work(opts, [out])
         except DistTimeoutError as e:
             raise _timed_out(e) from None
+        except DistError as e:
+            self._take_part(e, "reduce_scatter")
+            raise
 
     def reduce_scatter_single(self, output, input, opts=None):
         try:
@@ -486,6 +539,9 @@ class ShmProcessGroup(dist.ProcessGroup):
             return self._work(opts, [output])
         except DistTimeoutError as e:
             raise _timed_out(e) from None
+        except DistError as e:
+            self._take_part(e, "reduce_scatter")
+            raise
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -497,6 +553,9 @@ class ShmProcessGroup(dist.ProcessGroup):
             return self._work(opts, list(outputs))
         except DistTimeoutError as e:
             raise _timed_out(e) from None
+        except DistError as e:
+            self._take_part(e, "reduce_scatter")
+            raise
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 

@@ -92,12 +92,24 @@ def _refusing(comm, g, kind: str):
     try:
         yield
     except Exception:
-        try:
-            with comm.lock:
-                comm.refuse(kind, g.timeout)
-        except DistError:
-            pass        # the others' mismatch (or a broken group): this rank's own error says more
+        _refuse(comm, g, kind)
         raise
+
+
+def _refuse(comm, g, kind: str) -> None:
+    try:
+        with comm.lock:
+            comm.refuse(kind, g.timeout)
+    except DistError:
+        pass        # the others' mismatch (or a broken group): this rank's own error says more
+
+
+def refuse_call(group, kind: str) -> None:
+    """Take part in the call ``kind`` of ``group`` as a refusal: a layer above (shmdist.torch)
+    refused its arguments before the call itself ran (_refusing)."""
+    w, g, comm = _enter(kind, group)
+    if comm is not None:
+        _refuse(comm, g, kind)
 
 
 def _overlaps(a, b) -> bool:

@@ -257,15 +257,27 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     _fast.set_enabled(settings.get("SHMDIST_FAST"), w)
 
 
+_claims: dict[int, int] = {}    # rank -> the number its last claim in a store got, in this process
+
+
 def _setup(w: World) -> None:
     who = f"rank {w.rank}: init_process_group"
     store = w.store
-    if store.add(f"claim/{w.rank}", 1) > 1:
+    claim = store.add(f"claim/{w.rank}", 1)
+    if claim > 1 and _claims.get(w.rank) != claim - 1:
         store.add("claimed-twice", 1)     # the ranks of the other job learn it too
         raise DistError(f"{who}: rank {w.rank} is already claimed by another process; give each "
                         "process a distinct rank (and, for file://, a fresh file). If two jobs were given "
                         "the same master port or file, give each its own, or a job identity "
                         f"({rendezvous.JOB_ENV})")
+    _claims[w.rank] = claim
+    if claim > 1:
+        # this process claimed this rank in the store before, and left (destroy_process_group):
+        # the same store again (torch keeps its TCPStore per port and hands it to the next init;
+        # a file:// kept), so this init's keys go apart from the last one's, where each rank's
+        # init of the same number meets
+        w.store = store = rendezvous.WatchedStore(
+            rendezvous.PrefixStore(f"again/{claim}/", store.store), w.rank, w.timeout)
     me = {"world_size": w.world_size, "host": rendezvous.host_identity(), "pid": os.getpid(),
           "backend": w.backend}
     store.set(f"info/{w.rank}", json.dumps(me).encode())
