@@ -235,6 +235,12 @@ class ShmProcessGroup(dist.ProcessGroup):
         if e.__dict__.pop("refused_here", False):
             api.refuse_call(self._g, kind)
 
+    def _pairs(self, outputs, inputs, call: str) -> None:
+        """A coalesced call's lists: one output per input (checked before any call is made)."""
+        if len(outputs) != len(inputs):
+            raise _bad(f"{self._who}.{call}: {len(outputs)} output tensor(s) for {len(inputs)} input(s); "
+                       "give one output per input")
+
     def _op(self, op, call: str) -> ReduceOp:
         """shmdist's op for a ReduceOp (what options objects hold) or a RedOpType."""
         red = op if op.__class__ is _Red else getattr(op, "op", op)     # RedOpType, or a ReduceOp
@@ -311,8 +317,11 @@ class ShmProcessGroup(dist.ProcessGroup):
         self._alike(tensors, "allreduce")
         value = (red if red.__class__ is _Red else red.op).value
         acc = tensors[0].clone()
-        for t in tensors[1:]:
-            acc = _LOCAL[value](acc, t)
+        try:
+            for t in tensors[1:]:
+                acc = _LOCAL[value](acc, t)
+        except (RuntimeError, TypeError) as e:     # (BOR of floats: before any call of shmdist's)
+            raise _bad(f"{self._who}.allreduce: {rop.name} of {str(acc.dtype)[6:]} tensors: {e}") from None
         if value == _AVG:            # the mean over ranks and tensors
             acc = acc / len(tensors)
         api.all_reduce(acc, rop, self._g)
@@ -449,11 +458,15 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         try:
-            for out, t in zip(outputs, inputs, strict=True):
+            self._pairs(outputs, inputs, "allgather_into_tensor_coalesced")
+            for out, t in zip(outputs, inputs):
                 api.all_gather_into_tensor(out, t, self._g)
             return self._work(opts, list(outputs))
         except DistTimeoutError as e:
             raise _timed_out(e) from None
+        except DistError as e:
+            self._take_part(e, "all_gather")
+            raise
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -548,7 +561,8 @@ class ShmProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         try:
             op = self._op((opts or _C10D.ReduceScatterOptions()).reduceOp, "reduce_scatter_tensor_coalesced")
-            for out, t in zip(outputs, inputs, strict=True):
+            self._pairs(outputs, inputs, "reduce_scatter_tensor_coalesced")
+            for out, t in zip(outputs, inputs):
                 api.reduce_scatter_tensor(out, t, op, self._g)
             return self._work(opts, list(outputs))
         except DistTimeoutError as e:

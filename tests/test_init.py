@@ -236,3 +236,44 @@ def late_for_the_store(rank, world_size, init_method, step):
 def test_rank_0_may_leave_right_after_the_last_store_call(run_ranks, step):
     """Rank 0 serves the tcp:// store; ranks still reading its last answers must not be stranded."""
     assert run_ranks(late_for_the_store, 3, step) == [step] * 3
+
+
+def claims_on_a_kept_store(rank, world_size, init_method, port):
+    """One store kept across inits (as torch keeps its TCPStore per port): this process
+    inits, leaves and inits again as rank 0 three times; then a forked child, another
+    process, asks for rank 0 in the same store and must be refused at once."""
+    from shmdist.rendezvous import store as rv
+    st = rv.TCPStore("127.0.0.1", port, is_master=True, timeout=10)
+    got = []
+    for _ in range(3):
+        dist.init_process_group("shm", store=st, rank=0, world_size=1, timeout=10)
+        x = np.ones(4)
+        dist.all_reduce(x)
+        got.append(float(x[0]))
+        dist.destroy_process_group()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                       # the child: a client of the parent's store
+        text = "initialized"
+        try:
+            client = rv.TCPStore("127.0.0.1", port, is_master=False, timeout=10)
+            dist.init_process_group("shm", store=client, rank=0, world_size=1, timeout=5)
+        except Exception as e:         # noqa: BLE001 - the outcome is the result
+            text = f"{type(e).__name__}: {e}"
+        os.write(w, text.encode()[:4000])
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        child = f.read()
+    os.waitpid(pid, 0)
+    st.close()
+    return got, child
+
+
+def test_init_again_on_a_kept_store_works_and_another_process_is_still_refused(run_ranks):
+    """init -> destroy -> init on one store that keeps its keys (torch hands the next init
+    the same TCPStore) works; a process that never claimed the rank in that store (a
+    forked child: the parent's claims are not its own) is refused as before."""
+    got, child = run_ranks(claims_on_a_kept_store, 1, free_port(), timeout=60)[0]
+    assert got == [1.0, 1.0, 1.0]
+    assert child.startswith("DistError") and "already claimed by another process" in child, child

@@ -462,3 +462,13 @@ def test_a_forked_child_never_harms_the_parents_group(tmp_path, mode, forker):
     for rank, r in enumerate(results):
         assert r["ok"], f"{mode}: rank {rank}'s collectives went wrong after the child ended"
         assert r["unmapped"] == [], f"{mode}: rank {rank} lost mappings: {r['unmapped']}"
+
+
+def test_a_bad_switch_read_by_one_member_is_refused_by_every_member(run_ranks):
+    """SHMDIST_PAIR_CHOOSE is used by a group's member 0 only, after the arena is shared: a bad
+    value made only rank 0 name it while the others failed later on something else (a review
+    of the settings fix). Every rank's error must name it."""
+    results = run_ranks(works, 2, True, {}, env={"SHMDIST_PAIR_CHOOSE": "nope"}, errors="return",
+                        timeout=CASE_TIMEOUT)
+    said = [f"{r.type}: {r.message}" if isinstance(r, RankError) else repr(r) for r in results]
+    assert all(isinstance(r, RankError) and "SHMDIST_PAIR_CHOOSE" in r.message for r in results), said

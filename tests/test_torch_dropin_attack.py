@@ -626,6 +626,14 @@ def one_rank_refuses(rank, world_size, init_method, how):
         elif how == "mixed_dtypes":      # ProcessGroup.allreduce of several tensors, refused by gloo's rule
             ts = [torch.ones(2), torch.ones(2, dtype=torch.float64 if rank == 0 else torch.float32)]
             d.group.WORLD.allreduce(ts).wait()
+        elif how == "bor_of_floats":     # several tensors: the local pre-reduction refuses BOR of floats
+            kind = torch.float32 if rank == 0 else torch.int32
+            d.group.WORLD.allreduce([torch.ones(2, dtype=kind), torch.ones(2, dtype=kind)],
+                                    d.ReduceOp.BOR).wait()
+        elif how == "coalesced_lengths":  # one output fewer than inputs, on rank 0
+            ins = [torch.ones(4), torch.ones(4)]
+            outs = [torch.zeros(2), torch.zeros(2)][:1 if rank == 0 else 2]
+            d.group.WORLD.reduce_scatter_tensor_coalesced(outs, ins).wait()
         else:                            # AVG of an int32 tensor: shmdist's own refusal
             d.all_reduce(t, op=d.ReduceOp.AVG)
         first = "no error"
@@ -644,14 +652,18 @@ def one_rank_refuses(rank, world_size, init_method, how):
     return first, second
 
 
-@pytest.mark.parametrize("how", ["premul_sum", "mixed_dtypes", "avg_of_int"])
+@pytest.mark.parametrize("how", ["premul_sum", "mixed_dtypes", "bor_of_floats", "coalesced_lengths",
+                                 "avg_of_int"])
 def test_a_call_one_rank_refuses_leaves_the_next_call_in_step(run_ranks, how):
-    """FAILS on the current code for premul_sum and mixed_dtypes: ShmProcessGroup
-    (shmdist/torch.py: _op, _alike, _single, _global) raises before any
-    shmdist collective runs, so the refusing rank takes no part in the call;
-    its next all_reduce pairs with the others' refused one and every later
-    call of the job is out of step (avg_of_int, refused inside shmdist's
-    _refusing, holds)."""
+    """Failed before 293ffe5 for premul_sum and mixed_dtypes: ShmProcessGroup
+    (shmdist/torch.py: _op, _alike, _single, _global) raised before any
+    shmdist collective ran, so the refusing rank took no part in the call;
+    its next all_reduce paired with the others' refused one and every later
+    call of the job was out of step (avg_of_int, refused inside shmdist's
+    _refusing, held). bor_of_floats (torch's own error in the local
+    pre-reduction of several tensors) and coalesced_lengths (an output list
+    shorter than the inputs, found after some calls were made) came from a
+    review of that fix."""
     (first0, second0), (first1, second1) = run_ranks(one_rank_refuses, 2, how, timeout=60)
     assert first0.startswith("DistError") and "rank 0" in first0, first0
     assert first1.startswith("DistMismatchError") and "refused" in first1, first1

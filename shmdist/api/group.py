@@ -15,7 +15,7 @@ import threading
 
 import numpy as np
 
-from shmdist import _core, settings
+from shmdist import _core, errors, settings
 from shmdist.comm import arena, shared
 from shmdist.rendezvous import store as rendezvous
 from shmdist import trace   # the flight recorder: hook lines marked "trace:" below
@@ -171,6 +171,7 @@ def _forked_why(w: World) -> str:
 def _mark_forked() -> None:
     """In a forked child: the inherited group belongs to the parent."""
     _fast.attach(None)
+    _claims.clear()                 # (the parent's claims: a child that inits is another process)
     if _world is not None:
         _world.forked = True
         if _world.engine is not None:   # requests the parent made wait here no more
@@ -257,20 +258,34 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     _fast.set_enabled(settings.get("SHMDIST_FAST"), w)
 
 
-_claims: dict[int, int] = {}    # rank -> the number its last claim in a store got, in this process
+_claims: dict[int, str] = {}    # rank -> this process's token of its last claim of it (in a store)
+
+
+def _claimed_before(store, rank: int, claim: int) -> bool:
+    """Whether claim number ``claim`` of ``rank`` in ``store`` was this process's last one."""
+    mine = _claims.get(rank)
+    if mine is None:
+        return False
+    try:
+        with errors.expected():
+            return store.get(f"claim/{rank}/{claim}", 1.0).decode() == mine
+    except DistError:
+        return False
 
 
 def _setup(w: World) -> None:
     who = f"rank {w.rank}: init_process_group"
     store = w.store
     claim = store.add(f"claim/{w.rank}", 1)
-    if claim > 1 and _claims.get(w.rank) != claim - 1:
+    token = f"{os.getpid()}:{os.urandom(8).hex()}"
+    store.set(f"claim/{w.rank}/{claim}", token.encode())
+    if claim > 1 and not _claimed_before(store, w.rank, claim - 1):
         store.add("claimed-twice", 1)     # the ranks of the other job learn it too
         raise DistError(f"{who}: rank {w.rank} is already claimed by another process; give each "
                         "process a distinct rank (and, for file://, a fresh file). If two jobs were given "
                         "the same master port or file, give each its own, or a job identity "
                         f"({rendezvous.JOB_ENV})")
-    _claims[w.rank] = claim
+    _claims[w.rank] = token
     if claim > 1:
         # this process claimed this rank in the store before, and left (destroy_process_group):
         # the same store again (torch keeps its TCPStore per port and hands it to the next init;

@@ -34,7 +34,7 @@ from shmdist.errors import DistError, DistMismatchError, DistPeerError, DistTime
 from shmdist.layout import ALL_ROUNDS_DONE, BROKEN, DIFFER, DONE, NOT_TAKEN, NOT_YET
 from shmdist.reduce_ops import ReduceOp, reduce_into, reduce_rows
 from shmdist.tensors import describe
-from shmdist.trace import DONE as TRACE_DONE
+from shmdist.trace import DONE as TRACE_DONE, FAILED as TRACE_FAILED
 
 CTL_STRIDE = layout.SLOT_STRIDE       # per member: phase, descriptors of the last two calls (layout.py)
 _DESC = layout.DESC                   # 0 (reserved), kind, bytes, op, root, dtype, extra
@@ -88,6 +88,7 @@ def open_group(world, key: str, ranks) -> "GroupComm":
     rounds = settings.get(ROUND_ENV)   # the creator's settings hold for every member
     single = settings.get("SHMDIST_SINGLE_COPY")
     single = max(single, PAIR_SPLIT_MIN) if single > 0 else 0
+    settings.get("SHMDIST_PAIR_CHOOSE")   # (only member 0 uses it, below; every member refuses a bad one now)
     if n > len(os.sched_getaffinity(0)):   # see BUSY_SLOT_BYTES; a setting in the environment still wins
         slot, rounds = settings.get(SLOT_ENV, BUSY_SLOT_BYTES), settings.get(ROUND_ENV, BUSY_ROUND_BYTES)
     ctl_at = segment.HEADER_BYTES
@@ -219,13 +220,15 @@ class GroupComm:
         self.ph.broken = why
 
     def arena_bytes(self) -> int:
-        return self.seg.size if self.seg.mm is not None else 0     # (0: closed, its group destroyed)
+        return self.seg.size if self.seg.mapped else 0     # (0: unmapped, its group destroyed)
 
     def unlink(self) -> None:
         """Remove the arena's name now, for a failed set-up (idempotent)."""
         self.seg.unlink()
 
     def close(self) -> None:
+        self.rows.clear()         # (views of the arena: with them alive the mapping could not go)
+        self.scratch = None
         self.seg.close()
 
     def retire(self, why: str, within: float) -> bool:
@@ -260,7 +263,11 @@ class GroupComm:
     def _finish_pass(self, what, timeout: float, compare: bool) -> int:
         """Sleep until every member entered the phase this member entered last;
         then, with ``compare``, DIFFER when their last descriptors differ."""
-        self._sleep_until(self.ph.phase, what, timeout)
+        try:
+            self._sleep_until(self.ph.phase, what, timeout)
+        except BaseException:
+            _core.trace_set(self.ph.tseq, TRACE_FAILED)   # (not left waiting: KeyboardInterrupt too)
+            raise
         if compare and not _core.all_same(self.ctl[0] + self.ph.desc_at, CTL_STRIDE, self.n, _DESC.size):
             return DIFFER
         _core.trace_set(self.ph.tseq, TRACE_DONE)   # trace: the call's first phase passed (trace.py)
@@ -276,6 +283,8 @@ class GroupComm:
                 raise DistError(f"rank {self.rank}: {what}: {self.retired} while this call waited for "
                                 "the other members; it never completes")
             late = [i for i in range(self.n) if _core.load_u64(self.ctl[i]) < target]
+            if not late:
+                continue        # the last one came after the wait gave up: the next wait sees it
             for i in late:
                 why = self.world.engine.peer_gone(self.ranks[i])
                 if why:

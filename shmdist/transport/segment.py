@@ -41,6 +41,7 @@ class Segment:
 
     def __init__(self, size: int, mm: mmap.mmap, token: bytes, fd: int | None = None):
         self.size, self.mm, self.token, self.fd = size, mm, token, fd
+        self.mapped = True        # False once close() unmapped it
         self.name = f"memfd:{MEMFD_NAME}:{token[:8].hex()}"   # for messages and tests: no file has it
         self.array = np.frombuffer(mm, dtype=np.uint8)
         self.addr = self.array.ctypes.data
@@ -70,8 +71,9 @@ class Segment:
         self.array = None
         try:
             self.mm.close()
+            self.mapped = False
         except BufferError:
-            pass  # views still alive somewhere: the mapping goes with the process
+            pass  # views still alive somewhere: the mapping goes with the process (still mapped)
         self.mm = None
 
 
