@@ -34,20 +34,12 @@ import pytest
 
 import shmdist as dist
 from ranks import RankError, free_port
+from test_trust import memfd_mapped_bytes as _memfd_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CASE_TIMEOUT = 25          # seconds a case of two or three ranks gets (each should take ~1 s)
 
 
-def _memfd_bytes() -> int:
-    """Bytes this process maps of shmdist segments (not the flight recorder's)."""
-    total = 0
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if "/memfd:shmdist " in line:
-                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-                total += hi - lo
-    return total
 
 
 # ---------------------------------------------------------------- bad values

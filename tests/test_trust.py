@@ -150,16 +150,22 @@ def test_torchrun_run_id_is_a_job_identity(monkeypatch):
     assert rendezvous.job_identity() == "job-1"
 
 
-def maps_what_it_reports(rank, world_size, init_method):
-    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
-    dist.new_group([0, 1])
-    dist.barrier()
-    mapped = 0
+def memfd_mapped_bytes() -> int:
+    """Bytes this process maps of shmdist segments (not the flight recorder's)."""
+    total = 0
     with open("/proc/self/maps") as f:
         for line in f:
             if "/memfd:shmdist " in line:
                 lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-                mapped += hi - lo
+                total += hi - lo
+    return total
+
+
+def maps_what_it_reports(rank, world_size, init_method):
+    dist.init_process_group("shm", init_method, rank=rank, world_size=world_size, timeout=60)
+    dist.new_group([0, 1])
+    dist.barrier()
+    mapped = memfd_mapped_bytes()
     usage = dist.memory_usage()
     dist.destroy_process_group()
     return usage["total_mapped"], mapped
