@@ -736,12 +736,16 @@ class Engine:
     def _time_out(self, req, limit: float) -> None:
         with self.lock:
             cancelled = self._cancel(req, force=False)
+            single = not cancelled and any(op.req is req for q in self.queues.awaiting.values() for op in q)
         peers = [p for p in req._peers if p is not None]
         who = f" with rank {peers[0]}" if len(peers) == 1 else (" with any rank" if peers else "")
         if (len(peers) == 1 and f"rank {peers[0]}" in req.op) or (len(peers) > 1 and "any rank" in req.op):
             who = ""    # the operation names its peer already ("recv from rank 1")
         self.note_timeout(f"{req.op}{who}")
         fate = ("it was cancelled" if cancelled else
+                "it went as a single copy, which the receiver reads straight from this rank's buffer "
+                "once it posts its receive, so it stays pending (its record is in the ring already): "
+                "wait() again to finish it, and leave the buffer as it is until it completes" if single else
                 "part of the message already moved, so it stays pending: wait() again to finish it")
         error = DistTimeoutError(
             f"rank {self.rank}: {req.op}{who}: Timed out after {limit:g} s; {fate}. Check that the "
