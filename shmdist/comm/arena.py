@@ -908,4 +908,3 @@ def _describe(d: tuple) -> str:
     elif extra and name in ("all_reduce", "broadcast"):     # in place (comm/shared.py)
         args.append(f"in place in shmdist.empty memory #{extra >> 40} at offset {extra & (1 << 40) - 1}")
     return f"{name}({', '.join(args)})"
-
