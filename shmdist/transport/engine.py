@@ -530,7 +530,8 @@ class Engine:
         if why is None and err == errno.ESRCH:
             why = "died"
         what = (f"rank {inc.src} {why} before this rank had read its message" if why and not err else
-                f"rank {inc.src} {why} while this rank read its message" if why else
+                f"rank {inc.src} {why} before this rank could read its message (the send had not "
+                "completed: its memory was no longer there to read)" if why else
                 f"could not read the message from rank {inc.src}'s memory (process_vm_readv: "
                 f"{os.strerror(err)}); set SHMDIST_SINGLE_COPY=0 to send through the ring instead")
         if inc.data is not None:
