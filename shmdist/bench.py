@@ -603,6 +603,10 @@ def detect(args) -> tuple[list[Backend], list[str]]:
                          "and deepspeed: DS_ACCELERATOR=cpu DS_BUILD_OPS=0 pip install deepspeed)")
     if "memcpy" in wanted:
         backends.append(Backend("memcpy", "memcpy", sys.executable))
+    half = [REDUCE_DTYPES[k] for k in args.only if REDUCE_DTYPES.get(k, "float32") != "float32"]
+    if half and wanted & {"shmdist", "shmdist-empty"} and not has_torch():
+        notes.append(f"shmdist's {' and '.join(half)} all_reduce rows skipped: they are measured on torch "
+                     f"tensors and torch is not installed under {sys.executable} (pip install torch)")
     return backends, notes
 
 

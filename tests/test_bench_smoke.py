@@ -131,3 +131,21 @@ def test_sizes_replace_the_tables_sizes_and_bad_ones_are_refused():
     for bad in ("3x", "4", ""):
         with pytest.raises(SystemExit):
             bench.parse(["--sizes", bad])
+
+
+@pytest.mark.timeout(200)
+def test_bench_measures_shmdist_16_bit_rows_with_torch_and_says_why_not_without():
+    """shmdist's bfloat16/float16 rows run on torch tensors: measured where torch is, else a note names why."""
+    run = subprocess.run([sys.executable, "-m", "shmdist.bench", "--quick", "--ranks", "2", "--only",
+                          "all_reduce_bf16,all_reduce_fp16", "--sizes", "4K", "--backends", "shmdist"],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| all_reduce ")]
+    assert [r.split(" | ")[0] for r in rows] == ["| all_reduce bfloat16 4 KiB, 2 ranks",
+                                                 "| all_reduce float16 4 KiB, 2 ranks"]
+    if importlib.util.find_spec("torch"):
+        assert all(r.split(" | ")[1] != "n/a" for r in rows), rows
+        assert "all_reduce rows skipped" not in run.stdout
+    else:
+        assert "note: shmdist's bfloat16 and float16 all_reduce rows skipped" in run.stdout
+        assert "torch is not installed" in run.stdout
