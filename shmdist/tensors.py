@@ -99,7 +99,7 @@ def _numpy_name(dtype: np.dtype, who: str) -> str:
 def _numpy_buf(arr: np.ndarray, writable: bool, who: str) -> Buf:
     if not arr.dtype.isnative:
         # another byte order ('>f4'): move the values, in this host's order
-        work = arr.astype(arr.dtype.newbyteorder("="))
+        work = arr.astype(arr.dtype.newbyteorder("="), order="C")   # (C order: the bytes move as C order)
         finish = (lambda: np.copyto(arr, work)) if writable else None
         return Buf(work, work.ctypes.data, work.nbytes, _numpy_name(work.dtype, who), arr.shape, arr, finish)
     dtype = _numpy_name(arr.dtype, who)
