@@ -17,6 +17,8 @@ cdef class DistributedRequest:
 
     def wait(self, timeout=None):
         if not self._done:
+            if timeout is not None:
+                timeout = self._engine.wait_limit(self, timeout)
             if self._lane is not None:      # first a spin on the ring it waits for, from here
                 lane, self._lane = self._lane, None
                 lane.wait_pending(self, -1)

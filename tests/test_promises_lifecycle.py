@@ -419,6 +419,7 @@ def error_texts(rank, world_size, init_method):
         "all_reduce": lambda: dist.all_reduce(np.zeros(3), "NOPE"),
         "gather": lambda: dist.gather(np.zeros(3), [np.zeros(3)] if rank == 0 else None, 0),
         "all_to_all_single": lambda: dist.all_to_all_single(np.zeros(3), np.zeros(3)),
+        "scatter_object_list": lambda: dist.scatter_object_list([], [1, 2], 0),
     }
     if rank == 0:
         ro = np.zeros(3)
@@ -429,7 +430,6 @@ def error_texts(rank, world_size, init_method):
             "recv ": lambda: dist.recv(ro, 1),                          # read-only buffer
             "send  ": lambda: dist.send(np.zeros(3), 1, tag=1 << 70),   # tag too big
             "new_group": lambda: dist.new_group([0, 0]),
-            "scatter_object_list": lambda: dist.scatter_object_list([], [1, 2], 0),
         })
     for op, call in calls.items():
         try:

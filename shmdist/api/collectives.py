@@ -11,6 +11,7 @@ overlap with), and ``wait()`` returns at once.
 from __future__ import annotations
 
 import io
+import operator
 import pickle
 import warnings
 from contextlib import contextmanager
@@ -146,12 +147,24 @@ def _copy_of(b):
 def _barrier_py(group=None, async_op=False, device_ids=None, timeout=None):
     """barrier (the C entry point _core.barrier hands calls here unless they
     are on the default group, synchronous and without their own timeout)."""
-    seconds = None if timeout is None else _g._seconds(timeout)
+    seconds = None if timeout is None else _call_seconds("barrier", group, timeout)
     if group is None and _fast.barrier is not None:
         how = _fast.barrier()             # the default group's whole barrier, when the others are there
         if how > 0 or _fast.coll.quick_barrier(seconds or _fast.world.timeout, how):
             return completed("barrier", []) if async_op else None
     return _barrier_general(group, async_op, seconds)
+
+
+def _call_seconds(kind: str, group, timeout) -> float:
+    """A call's own ``timeout`` in seconds; a bad one makes the call a refused one (_refusing),
+    so the other members' call does not pair with this rank's next."""
+    try:
+        return _g._seconds(timeout)
+    except ValueError as e:
+        w, g, comm = _enter(kind, group)
+        if comm is not None:
+            _refuse(comm, g, kind)
+        raise ValueError(f"rank {w.rank}: {kind}: {e}; or leave it out for the group's timeout") from None
 
 
 def _barrier_rest(how: int, device_ids=None):
@@ -505,6 +518,7 @@ class _Piece:
 
 
 def _splits(w, who, buf, sizes, n, what):
+    given = sizes
     rows = buf.shape[0] if buf.shape else 1
     row_bytes = buf.nbytes // rows if rows else 0
     if sizes is None:
@@ -512,10 +526,13 @@ def _splits(w, who, buf, sizes, n, what):
             raise DistError(f"{who}: {what} has {rows} rows, not divisible by the group size {n}; pass "
                             f"{what}_split_sizes")
         sizes = [rows // n] * n
-    sizes = list(sizes)
-    if len(sizes) != n or sum(sizes) != rows or any(s < 0 for s in sizes):
-        raise DistError(f"{who}: {what}_split_sizes {sizes} must be {n} non-negative row counts adding up "
-                        f"to {rows}")
+    try:
+        sizes = [operator.index(s) for s in sizes]     # ints (numpy's too), not 1.5 or "1"
+    except TypeError:
+        sizes = None
+    if sizes is None or len(sizes) != n or sum(sizes) != rows or any(s < 0 for s in sizes):
+        raise DistError(f"{who}: {what}_split_sizes {given!r} must be a list of {n} non-negative whole row "
+                        f"counts adding up to {rows}")
     out, at = [], buf.addr
     for s in sizes:
         out.append(_Piece(at, s * row_bytes, buf.dtype, (s,) + tuple(buf.shape[1:])))
@@ -588,35 +605,95 @@ def _exchange_p2p(w, g, who, outs, ins):
 # ---------------------------------------------------------------- object collectives
 # These pickle: like torch.distributed, they trust every rank of the group.
 
-def _dumps(obj) -> np.ndarray:
-    f = io.BytesIO()
-    pickle.Pickler(f).dump(obj)
+def _dumps(obj, who: str) -> np.ndarray:
+    try:
+        f = io.BytesIO()
+        pickle.Pickler(f).dump(obj)
+    except Exception as e:  # noqa: BLE001 - pickle raises PicklingError, AttributeError, TypeError, ...
+        raise TypeError(f"{who}: the object could not be pickled ({type(e).__name__}: {e}); pass "
+                        "picklable objects (defined at a module's top level)") from e
     return np.frombuffer(f.getbuffer(), dtype=np.uint8).copy()
 
 
-def _loads(data: np.ndarray):
-    return pickle.loads(data.tobytes())
+def _loads(data: np.ndarray, who: str, src: int):
+    try:
+        return pickle.loads(data.tobytes())
+    except Exception as e:  # noqa: BLE001 - whatever the pickle's classes raise
+        raise DistError(f"{who}: the objects rank {src} sent could not be unpickled here "
+                        f"({type(e).__name__}: {e}); make their classes importable on every rank") from e
 
+
+def _object_slots(w, op: str, objects, n, what: str):
+    """``objects``, a list this rank fills: ``n`` items (None: any number)."""
+    if not isinstance(objects, list) or (n is not None and len(objects) != n):
+        got = f"{len(objects)} items" if isinstance(objects, list) else type(objects).__name__
+        want = f"a list of {n} items (one per rank of the group)" if n is not None else "a list"
+        raise DistError(f"rank {w.rank}: {op}: {what} must be {want}, got {got}; pass a list it can fill")
+    return objects
+
+
+def _object_items(w, op: str, objects, what: str) -> list:
+    """The objects a root sends, as a list."""
+    try:
+        return list(objects)
+    except TypeError:
+        raise TypeError(f"rank {w.rank}: {op}: {what} must be a list of objects, got "
+                        f"{type(objects).__name__}") from None
+
+
+# An object collective is made of several internal ones. Its own checks and its pickling run
+# in _refusing, around its FIRST internal collective (the kind named there): a rank that refuses
+# takes part in that one only, as a refused call, and every member raises, in step.
+
+@contextmanager
+def _within(w, op: str):
+    """The errors of an object collective's internal calls name it:
+    "rank 0: all_gather_object: all_gather(...): the ranks ... disagree"."""
+    try:
+        yield
+    except DistError as e:
+        said = e.args[0] if e.args and isinstance(e.args[0], str) else None
+        if said is not None and not said.startswith(f"rank {w.rank}: {op}:"):
+            mine = f"rank {w.rank}: "
+            e.args = (f"{mine}{op}: {said[len(mine):] if said.startswith(mine) else said}",) + e.args[1:]
+        raise
 
 def broadcast_object_list(object_list, src: int = 0, group=None, device=None):
     """Replace ``object_list`` items on every rank by those of global rank ``src``."""
-    w, g, comm = _enter("broadcast_object_list", group)
+    op = "broadcast_object_list"
+    w, g, comm = _enter(op, group)
     if comm is None:
         return None
-    me_root = w.rank == src
-    payload = _dumps(list(object_list)) if me_root else None
-    size = np.array([payload.size if me_root else 0], dtype=np.int64)
-    broadcast(size, src, group)
-    data = payload if me_root else np.empty(int(size[0]), dtype=np.uint8)
+    with _refusing(comm, g, "broadcast"):
+        _root(w, g, src, op, "src")
+        if w.rank == src:
+            items = _object_items(w, op, object_list, "object_list")
+            sent = (_dumps(items, f"rank {w.rank}: {op}"), len(items))
+        else:
+            _object_slots(w, op, object_list, None, "object_list")
+            sent = None
+    with _within(w, op):
+        _broadcast_objects(w, g, comm, op, object_list, sent, src, group)
+    return None
+
+
+def _broadcast_objects(w, g, comm, op, object_list, sent, src, group) -> None:
+    """The root's pickled list (``sent``: its pickle and length there, None
+    elsewhere) replaces ``object_list``'s items elsewhere: its size and
+    length, then its bytes. A member whose list has another length refuses
+    the second broadcast, so every member raises and nothing is unpickled."""
+    me_root = sent is not None
+    payload = sent[0] if me_root else None
+    head = np.array([payload.size, sent[1]] if me_root else [0, 0], dtype=np.int64)
+    broadcast(head, src, group)
+    if not me_root and int(head[1]) != len(object_list):
+        _refuse(comm, g, "broadcast")
+        raise DistMismatchError(f"rank {w.rank}: {op}: rank {src} sends {int(head[1])} objects but this rank's "
+                                f"list holds {len(object_list)}; pass lists of the same length")
+    data = payload if me_root else np.empty(int(head[0]), dtype=np.uint8)
     broadcast(data, src, group)
     if not me_root:
-        objs = _loads(data)
-        if len(objs) != len(object_list):
-            raise DistMismatchError(f"rank {w.rank}: broadcast_object_list: rank {src} sent {len(objs)} "
-                                    f"objects but this rank's list holds {len(object_list)}; pass lists of "
-                                    "the same length")
-        object_list[:] = objs
-    return None
+        object_list[:] = _loads(data, f"rank {w.rank}: {op}", src)
 
 
 def _gather_bytes(op, payload, group, dst):
@@ -638,67 +715,98 @@ def _gather_bytes(op, payload, group, dst):
 
 def all_gather_object(object_list, obj, group=None):
     """``object_list[j]`` of every rank becomes the ``obj`` of group rank j."""
-    w, g, comm = _enter("all_gather_object", group)
+    op = "all_gather_object"
+    w, g, comm = _enter(op, group)
     if comm is None:
         return None
-    _list(w, "all_gather_object", object_list, g.size(), "object_list")
-    for j, data in enumerate(_gather_bytes("all_gather_object", _dumps(obj), group, None)):
-        object_list[j] = _loads(data)
+    with _refusing(comm, g, "all_gather"):      # (_gather_bytes begins with an all_gather)
+        _object_slots(w, op, object_list, g.size(), "object_list")
+        payload = _dumps(obj, f"rank {w.rank}: {op}")
+    with _within(w, op):
+        pieces = _gather_bytes(op, payload, group, None)
+    for j, data in enumerate(pieces):
+        object_list[j] = _loads(data, f"rank {w.rank}: {op}", g.ranks[j])
     return None
 
 
 def gather_object(obj, object_gather_list=None, dst: int = 0, group=None):
     """``object_gather_list`` of global rank ``dst`` receives every rank's ``obj``."""
-    w, g, comm = _enter("gather_object", group)
+    op = "gather_object"
+    w, g, comm = _enter(op, group)
     if comm is None:
         return None
-    _root(w, g, dst, "gather_object", "dst")
-    if w.rank == dst:
-        _list(w, "gather_object", object_gather_list, g.size(), "object_gather_list")
-    pieces = _gather_bytes("gather_object", _dumps(obj), group, dst)
+    with _refusing(comm, g, "all_gather"):      # (_gather_bytes begins with an all_gather)
+        _root(w, g, dst, op, "dst")
+        if w.rank == dst:
+            _object_slots(w, op, object_gather_list, g.size(), "object_gather_list")
+        payload = _dumps(obj, f"rank {w.rank}: {op}")
+    with _within(w, op):
+        pieces = _gather_bytes(op, payload, group, dst)
     if w.rank == dst:
         for j, data in enumerate(pieces):
-            object_gather_list[j] = _loads(data)
+            object_gather_list[j] = _loads(data, f"rank {w.rank}: {op}", g.ranks[j])
     return None
 
 
 def scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src: int = 0,
                         group=None):
     """``scatter_object_output_list[0]`` of group rank j becomes item j of ``src``'s input list."""
-    w, g, comm = _enter("scatter_object_list", group)
+    op = "scatter_object_list"
+    w, g, comm = _enter(op, group)
     if comm is None:
         return None
-    _root(w, g, src, "scatter_object_list", "src")
-    if w.rank == src:
-        _list(w, "scatter_object_list", scatter_object_input_list, g.size(), "scatter_object_input_list")
-    if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
-        raise DistError(f"rank {w.rank}: scatter_object_list: scatter_object_output_list must be a "
-                        "non-empty list; its first item receives the object")
-    holder = [list(scatter_object_input_list) if w.rank == src else None]
-    broadcast_object_list(holder, src, group)
+    with _refusing(comm, g, "broadcast"):       # (_broadcast_objects begins with a broadcast)
+        _root(w, g, src, op, "src")
+        if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
+            raise DistError(f"rank {w.rank}: {op}: scatter_object_output_list must be a non-empty list; its "
+                            "first item receives the object")
+        holder, sent = [None], None
+        if w.rank == src:
+            items = _object_items(w, op, scatter_object_input_list, "scatter_object_input_list")
+            if len(items) != g.size():
+                raise DistError(f"rank {w.rank}: {op}: scatter_object_input_list must be a list of {g.size()} "
+                                f"objects (one per rank of the group), got {len(items)}")
+            holder = [items]
+            sent = (_dumps(holder, f"rank {w.rank}: {op}"), 1)
+    with _within(w, op):
+        _broadcast_objects(w, g, comm, op, holder, sent, src, group)
     scatter_object_output_list[0] = holder[0][g.rank()]
     return None
 
 
 def send_object_list(object_list, dst: int, group=None, device=None):
-    """Send the pickled ``object_list`` to global rank ``dst``."""
-    payload = _dumps(list(object_list))
-    _g.send(np.array([payload.size], dtype=np.int64), dst, group).wait()
+    """Send the pickled ``object_list`` to global rank ``dst``: the sizes of
+    the objects' pickles (one int64 each, as torch sends them), then the
+    pickles. A receive into a list of another length does not fit the sizes,
+    so both messages wait for the next recv_object_list."""
+    w = _g.world("send_object_list")
+    who = f"rank {w.rank}: send_object_list"
+    pickles = [_dumps(obj, who) for obj in _object_items(w, "send_object_list", object_list, "object_list")]
+    sizes = np.array([p.size for p in pickles], dtype=np.int64)
+    payload = np.concatenate(pickles) if pickles else np.zeros(0, dtype=np.uint8)
+    _g.send(sizes, dst, group).wait()
     _g.send(payload, dst, group).wait()
 
 
 def recv_object_list(object_list, src: int | None = None, group=None, device=None):
     """Fill ``object_list`` with the objects sent by ``src``; returns the sender's rank."""
-    size = np.zeros(1, dtype=np.int64)
-    req = _g.recv(size, src, group)
-    req.wait()
-    data = np.empty(int(size[0]), dtype=np.uint8)
+    w = _g.world("recv_object_list")
+    who = f"rank {w.rank}: recv_object_list"
+    _object_slots(w, "recv_object_list", object_list, None, "object_list")
+    sizes = np.zeros(len(object_list), dtype=np.int64)
+    req = _g.recv(sizes, src, group)
+    try:
+        req.wait()
+    except DistMismatchError as e:    # the sizes did not fit: both messages stay for the next receive
+        raise DistMismatchError(f"{who}: the objects sent do not fit a list of {len(object_list)} ({e}); "
+                                "they were kept for the next recv_object_list: pass a list as long as the "
+                                "sender's") from None
+    data = np.empty(int(sizes.sum()), dtype=np.uint8)
     _g.recv(data, req.source, group).wait()
-    objs = _loads(data)
-    if len(objs) != len(object_list):
-        w = _g.world("recv_object_list")
-        raise DistMismatchError(f"rank {w.rank}: recv_object_list: rank {req.source} sent {len(objs)} "
-                                f"objects but the list holds {len(object_list)}; pass lists of the same length")
+    objs, at = [], 0
+    for s in sizes.tolist():
+        objs.append(_loads(data[at:at + s], who, req.source))
+        at += s
     object_list[:] = objs
     return req.source
 

@@ -10,6 +10,7 @@ import datetime
 import errno
 import hashlib
 import json
+import operator
 import os
 import threading
 
@@ -205,6 +206,26 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if _world is not None and not _world.forked:
         raise DistError(f"rank {_world.rank}: init_process_group: trying to initialize the default "
                         "process group twice; call destroy_process_group first")
+    def whole(what, value) -> int:
+        try:
+            if not isinstance(value, bool):
+                return operator.index(value)     # (numpy's ints too)
+        except TypeError:
+            pass
+        raise TypeError(f"init_process_group: {what} must be an int, got {value!r} "
+                        f"({type(value).__name__}); leave it out to take it from the launcher")
+
+    rank, world_size = whole("rank", rank), whole("world_size", world_size)
+    if init_method is not None and not isinstance(init_method, str):
+        raise TypeError(f"init_process_group: init_method must be a string ('env://', 'tcp://HOST:PORT' "
+                        f"or 'file:///path'), got {type(init_method).__name__}")
+    if store is not None and not all(callable(getattr(store, m, None)) for m in ("set", "get", "add")):
+        raise TypeError(f"init_process_group: store must be a key-value store with set, get and add (a "
+                        f"torch.distributed Store or shmdist's), got {type(store).__name__}")
+    try:
+        seconds = _seconds(timeout)
+    except ValueError as e:
+        raise ValueError(f"init_process_group: {e}") from None
     name = str(backend or "shm").lower()
     if name not in BACKENDS:
         raise DistError(f"init_process_group: unknown backend '{backend}'; shmdist offers 'shm' "
@@ -212,7 +233,6 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     kind = BACKENDS[name]
     if settings.get("SHMDIST_TRANSPORT") == "tcp":
         kind = "tcp"
-    seconds = _seconds(timeout)
     if store is None:
         scheme, where, rank, world_size = rendezvous.parse_init_method(init_method, rank, world_size)
     else:
@@ -424,43 +444,80 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
               use_local_synchronization=False, group_desc=None) -> ProcessGroup:
     """Make a group of ``ranks`` (all ranks when None). Every rank of the job
     must call it, in the same order, as in torch; non-members get a group
-    whose ``rank()`` is -1."""
+    whose ``rank()`` is -1. A call one rank refuses (its own arguments are
+    bad) is still a call: that rank says so through the store and raises its
+    own error, the others raise a DistMismatchError naming the refusal, and
+    every rank's next new_group lines up."""
     w = world("new_group")
     who = f"rank {w.rank}: new_group"
-    if backend is not None and str(backend).lower() not in BACKENDS:
-        raise DistError(f"{who}: unknown backend '{backend}'")
-    members = list(range(w.world_size)) if ranks is None else list(ranks)
-    for r in members:
-        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < w.world_size:
-            raise DistError(f"{who}: rank {r!r} is not a rank of this job (0..{w.world_size - 1})")
-    if len(set(members)) != len(members):
-        raise DistError(f"{who}: ranks {members} repeat a rank; list each rank once")
-    members = tuple(sorted(members))
     with w.lock:
         w.new_groups += 1    # every rank, whatever happens next: its calls stay in step with the others'
         call = w.new_groups
-    gid = w.allocate_gid(rendezvous.PrefixStore(f"new_group/{call}/", w.store), w.rank == 0)
-    seconds = _seconds(timeout) if timeout is not None else w.timeout
-    # Agree on the members first, through the store, before any arena exists:
-    # ranks that disagree then fail with the mismatch and map nothing.
+    asked = rendezvous.PrefixStore(f"new_group/{call}/", w.store)
+    try:
+        members, seconds = _new_group_args(w, who, ranks, timeout, backend)
+    except Exception:
+        _ask(w, asked, None)      # a refusal: nothing to wait for, the others learn it from the store
+        raise
+    # Agree on the members first, through the store, before any id or arena exists:
+    # ranks that disagree (or refused) then fail with the mismatch and map nothing.
+    _ask(w, asked, members)
+    asked.get("asked", w.timeout)
     sig = _members_digest(members)
-    w.store.set(f"group/{gid}/ranks/{w.rank}", json.dumps(list(members)).encode())
-    w.store.add(f"group/{gid}/sig/{sig}", 1)
-    w.barrier(f"group/{gid}/asked")
-    agree = int(w.store.get(f"group/{gid}/sig/{sig}", w.timeout))
+    agree = int(asked.add(f"sig/{sig}", 0))
     if agree != w.world_size:
-        theirs = {}
+        theirs, refused = {}, []
         for r in range(w.world_size):
-            asked = tuple(json.loads(w.store.get(f"group/{gid}/ranks/{r}", w.timeout)))
-            if asked != members:
-                theirs.setdefault(asked, []).append(r)
-        others = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} asked for {list(a)}"
-                           for a, rs in theirs.items())
-        raise DistMismatchError(f"{who}: this rank asked for a group of ranks {list(members)}, but {others} "
-                                f"(only {agree} of {w.world_size} ranks agree); every rank must call new_group "
-                                "with the same ranks, in the same order")
+            got = json.loads(asked.get(f"ranks/{r}", w.timeout))
+            if got is None:
+                refused.append(r)
+            elif tuple(got) != members:
+                theirs.setdefault(tuple(got), []).append(r)
+        said = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} asked for {list(a)}"
+                for a, rs in theirs.items()]
+        if refused:
+            said.append(f"rank{'s' if len(refused) > 1 else ''} {', '.join(map(str, refused))} called new_group "
+                        "with arguments it refused (its own error says why)")
+        raise DistMismatchError(f"{who}: this rank asked for a group of ranks {list(members)}, but "
+                                f"{'; '.join(said)} (only {agree} of {w.world_size} ranks agree); every rank "
+                                "must call new_group with the same valid ranks, in the same order")
+    gid = w.allocate_gid(asked, w.rank == 0)
     # the last store call: rank 0 may leave right after it
     return open_group(w, gid, members, seconds, made=lambda: w.barrier(f"group/{gid}/made"))
+
+
+def _new_group_args(w: World, who: str, ranks, timeout, backend) -> tuple[tuple, float]:
+    """new_group's members (sorted) and timeout in seconds, or this rank's refusal of them."""
+    if backend is not None and str(backend).lower() not in BACKENDS:
+        raise DistError(f"{who}: unknown backend '{backend}'; pass None or one of {sorted(BACKENDS)}")
+    try:
+        members = list(range(w.world_size)) if ranks is None else list(ranks)
+    except TypeError:
+        raise TypeError(f"{who}: ranks must be a list of global ranks (or None for every rank), got "
+                        f"{type(ranks).__name__}") from None
+    for r in members:
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < w.world_size:
+            raise DistError(f"{who}: rank {r!r} is not a rank of this job (0..{w.world_size - 1}); pass "
+                            "global ranks of the job")
+    if len(set(members)) != len(members):
+        raise DistError(f"{who}: ranks {members} repeat a rank; list each rank once")
+    if timeout is None:
+        return tuple(sorted(members)), w.timeout
+    try:
+        return tuple(sorted(members)), _seconds(timeout)
+    except ValueError as e:
+        raise ValueError(f"{who}: {e}; or leave it out for the job's timeout") from None
+
+
+def _ask(w: World, asked, members) -> None:
+    """This rank's part of a new_group call in the store: what it asks for
+    (None: it refused its own arguments), then its arrival; the last of the
+    job's ranks to arrive marks the call asked. Waits for nothing."""
+    asked.set(f"ranks/{w.rank}", json.dumps(None if members is None else list(members)).encode())
+    if members is not None:
+        asked.add(f"sig/{_members_digest(members)}", 1)
+    if int(asked.add("arrived", 1)) == w.world_size:
+        asked.set("asked", b"1")
 
 
 def _members_digest(members) -> str:
@@ -571,7 +628,31 @@ class P2POp:
 
 
 def batch_isend_irecv(p2p_op_list) -> list[DistributedRequest]:
-    return [p.op(p.tensor, p.peer, p.group, p.tag) for p in p2p_op_list]
+    """Posts the operations in order, after checking the list (as torch does): a bad item posts
+    nothing. An operation refused while posting withdraws the receives posted before it (a
+    request the caller never gets must not take a message meant for the next receive)."""
+    w = world("batch_isend_irecv")
+    if not isinstance(p2p_op_list, (list, tuple)):
+        raise TypeError(f"rank {w.rank}: batch_isend_irecv: expected a list of shmdist.P2POp, got "
+                        f"{type(p2p_op_list).__name__}; nothing was posted")
+    for i, p in enumerate(p2p_op_list):
+        if not isinstance(p, P2POp):
+            raise TypeError(f"rank {w.rank}: batch_isend_irecv: item {i} is a {type(p).__name__}, not a "
+                            "P2POp; build each with shmdist.P2POp(shmdist.isend or shmdist.irecv, tensor, "
+                            "peer); nothing was posted")
+    reqs: list[tuple[P2POp, DistributedRequest]] = []
+    for p in p2p_op_list:
+        try:
+            reqs.append((p, p.op(p.tensor, p.peer, p.group, p.tag)))
+        except Exception:
+            for q, req in reqs:
+                if q.op is recv and not req.is_completed():
+                    try:
+                        req.wait(timeout=0)      # a receive that has not begun is cancelled
+                    except DistError:
+                        pass
+            raise
+    return [req for _, req in reqs]
 
 
 def memory_usage() -> dict:

@@ -1041,7 +1041,8 @@ def parse_init_method(init_method: str | None, rank: int, world_size: int):
         try:
             port = url.port
         except ValueError:
-            port = None
+            raise DistError(f"Error initializing shmdist using tcp:// rendezvous: the port in "
+                            f"'{init_method}' is not a port number (1-65535); write tcp://HOST:PORT") from None
         if port is None:
             raise DistError(f"Error initializing shmdist using tcp:// rendezvous: port number missing "
                             f"in '{init_method}'; write tcp://HOST:PORT")

@@ -47,7 +47,9 @@ that goes elsewhere meanwhile first ends it (settle_help), and so does close.
 """
 from __future__ import annotations
 
+import datetime
 import errno
+import math
 import os
 import threading
 import time
@@ -625,6 +627,17 @@ class Engine:
         r.req._complete()
 
     # ------------------------------------------------------------ waiting
+
+    def wait_limit(self, req, timeout) -> float:
+        """``wait(timeout=...)`` in seconds: a finite number (0 or less: only what has come
+        already) or a timedelta, as torch's Work.wait takes; anything else is refused before
+        the request is touched (a NaN deadline would never pass)."""
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+            raise ValueError(f"rank {self.rank}: {req.op}: wait(timeout={timeout!r}): expected a finite "
+                             "number of seconds or a datetime.timedelta; pass e.g. timeout=5.0, or leave it "
+                             "out for the group's timeout (the request is still pending)")
+        return float(seconds)
 
     def wait_for(self, req, timeout: float | None) -> None:
         """Block until ``req`` is done, its deadline passes, or a peer it
