@@ -196,7 +196,7 @@ def wait_bad_timeout(rank, world_size, init_method, bad):
     may take at most 3 s; then rank 0 sends and the receive must get it."""
     _init(rank, world_size, init_method, timeout=20)
     timeout = {"str": "x", "list": [1], "timedelta": datetime.timedelta(seconds=0.2),
-               "nan": float("nan")}[bad]
+               "nan": float("nan"), "inf": float("inf"), "True": True, "numpy int": np.int64(0)}[bad]
     out = {}
     if rank == 1:
         box = np.zeros(3)
@@ -225,15 +225,16 @@ def wait_bad_timeout(rank, world_size, init_method, bad):
 # Each found by this attack and fixed (engine.wait_limit): "x" and [1] were bare ValueError/TypeError
 # from float(timeout) naming neither rank nor operation; a timedelta (what torch's Work.wait takes)
 # a bare TypeError; nan never timed out (deadline = start + nan), ignoring even the group's timeout.
-@pytest.mark.parametrize("bad", ["str", "list", "timedelta", "nan"])
+@pytest.mark.parametrize("bad", ["str", "list", "timedelta", "nan", "inf", "True", "numpy int"])
 def test_wait_with_a_bad_timeout_is_a_clear_error_and_the_receive_survives(run_ranks, bad):
     got = run_ranks(wait_bad_timeout, 2, bad, timeout=50)[1]
     assert got["then"] == (("ok", "True", ()), [4.0, 5.0, 6.0]), \
         f"the receive (or the next one) must still get the message: {got['then']}"
     outcome = got["bad wait"]
     assert isinstance(outcome, tuple), outcome       # not blocked
-    if bad == "timedelta" and outcome[0] == "DistTimeoutError":
-        return                                       # taken as torch takes it: fine
+    if bad in ("timedelta", "numpy int"):            # seconds, as torch's Work.wait and numpy give them
+        assert outcome[0] == "DistTimeoutError", outcome
+        return
     assert _is_clear(outcome, 1, "recv", "timeout") is None, outcome
 
 

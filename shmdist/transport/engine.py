@@ -50,6 +50,7 @@ from __future__ import annotations
 import datetime
 import errno
 import math
+import numbers
 import os
 import threading
 import time
@@ -633,7 +634,7 @@ class Engine:
         already) or a timedelta, as torch's Work.wait takes; anything else is refused before
         the request is touched (a NaN deadline would never pass)."""
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not math.isfinite(seconds):
             raise ValueError(f"rank {self.rank}: {req.op}: wait(timeout={timeout!r}): expected a finite "
                              "number of seconds or a datetime.timedelta; pass e.g. timeout=5.0, or leave it "
                              "out for the group's timeout (the request is still pending)")
