@@ -128,11 +128,11 @@ def _torch_buf(t, writable: bool, who: str) -> Buf:
         # as gloo does: a collective writes the values, outside autograd (the result
         # carries no grad_fn of ours, and a leaf may be written in place)
         t = t.detach()
-    if writable and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
-        raise DistError(f"{who}: the tensor to write has elements that share memory (a stride of 0, "
-                        f"shape {shape}, strides {tuple(t.stride())}: from expand() or similar), so it "
-                        "cannot hold the values; pass a tensor with memory of its own (.clone())")
     if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        if writable and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+            raise DistError(f"{who}: the tensor to write has elements that share memory (a stride of 0, "
+                            f"shape {shape}, strides {tuple(t.stride())}: from expand() or similar), so it "
+                            "cannot hold the values; pass a tensor with memory of its own (.clone())")
         # a lazily conjugated or negated view's memory holds the other values: move them resolved
         work = t.resolve_conj().resolve_neg().contiguous()
         finish = (lambda: t.copy_(work)) if writable else None

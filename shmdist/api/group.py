@@ -32,16 +32,31 @@ FAILED_INIT_LINGER = 3.0   # seconds the master keeps the store up after a faile
 BACKENDS = {"shm": "shm", "gloo": "shm", "tcp": "tcp"}
 
 
-def _seconds(timeout) -> float:
+def _seconds(timeout, who: str = "", default: str = "") -> float:
+    """A call's ``timeout`` in seconds (None: SHMDIST_TIMEOUT or the default); a bad one is a
+    ValueError that starts with ``who`` and, given ``default``, says it may be left out."""
     if timeout is None:
         value = settings.get("SHMDIST_TIMEOUT")
         return DEFAULT_TIMEOUT if value is None else value
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < 1e9:
-        raise ValueError("timeout must be a positive number of seconds (finite, below 1e9) or a "
-                         f"timedelta, got {timeout!r}")
+        said = (f"timeout must be a positive number of seconds (finite, below 1e9) or a timedelta, "
+                f"got {timeout!r}")
+        said = (f"{who}: {said}" if who else said) + (f"; or leave it out for {default}" if default else "")
+        raise ValueError(said)
     return float(timeout)
+
+
+def _whole(what: str, value) -> int:
+    """init_process_group's ``rank`` or ``world_size``: an int (numpy's too), not a bool or 1.0."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"init_process_group: {what} must be an int, got {value!r} "
+                    f"({type(value).__name__}); leave it out to take it from the launcher")
 
 
 class ProcessGroup:
@@ -206,26 +221,14 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if _world is not None and not _world.forked:
         raise DistError(f"rank {_world.rank}: init_process_group: trying to initialize the default "
                         "process group twice; call destroy_process_group first")
-    def whole(what, value) -> int:
-        try:
-            if not isinstance(value, bool):
-                return operator.index(value)     # (numpy's ints too)
-        except TypeError:
-            pass
-        raise TypeError(f"init_process_group: {what} must be an int, got {value!r} "
-                        f"({type(value).__name__}); leave it out to take it from the launcher")
-
-    rank, world_size = whole("rank", rank), whole("world_size", world_size)
+    rank, world_size = _whole("rank", rank), _whole("world_size", world_size)
     if init_method is not None and not isinstance(init_method, str):
         raise TypeError(f"init_process_group: init_method must be a string ('env://', 'tcp://HOST:PORT' "
                         f"or 'file:///path'), got {type(init_method).__name__}")
     if store is not None and not all(callable(getattr(store, m, None)) for m in ("set", "get", "add")):
         raise TypeError(f"init_process_group: store must be a key-value store with set, get and add (a "
                         f"torch.distributed Store or shmdist's), got {type(store).__name__}")
-    try:
-        seconds = _seconds(timeout)
-    except ValueError as e:
-        raise ValueError(f"init_process_group: {e}") from None
+    seconds = _seconds(timeout, "init_process_group")
     name = str(backend or "shm").lower()
     if name not in BACKENDS:
         raise DistError(f"init_process_group: unknown backend '{backend}'; shmdist offers 'shm' "
@@ -501,12 +504,8 @@ def _new_group_args(w: World, who: str, ranks, timeout, backend) -> tuple[tuple,
                             "global ranks of the job")
     if len(set(members)) != len(members):
         raise DistError(f"{who}: ranks {members} repeat a rank; list each rank once")
-    if timeout is None:
-        return tuple(sorted(members)), w.timeout
-    try:
-        return tuple(sorted(members)), _seconds(timeout)
-    except ValueError as e:
-        raise ValueError(f"{who}: {e}; or leave it out for the job's timeout") from None
+    seconds = w.timeout if timeout is None else _seconds(timeout, who, "the job's timeout")
+    return tuple(sorted(members)), seconds
 
 
 def _ask(w: World, asked, members) -> None:
